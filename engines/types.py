@@ -1,0 +1,107 @@
+"""Types shared by every engine client: what one generation returns, and how it fails.
+
+All per-token lists are in token coordinates of the *output*: index ``i`` is output token ``i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What Splice sends to an engine. Defaults are the trainable distribution (SPEC section 4)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off (SGLang and vLLM both accept -1)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    """One finished generation, possibly stitched from several abort-resume segments."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # behaviour logprob per output token
+    versions: list[int] = field(default_factory=list)  # policy version that sampled each token
+    proximal_logprobs_t: list[float] = field(default_factory=list)
+    proximal_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = "stop"
+    matched_stop: int | str | None = None  # the stop token id / string the engine matched
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    engine_time_s: float = 0.0
+    segments: int = 1  # engine calls that produced tokens (1 + number of resumes)
+    aborts: int = 0
+    replica: str = ""  # base URL of the replica that served it
+
+    def check(self) -> None:
+        """Raise if per-token arrays disagree in length (an engine or stitching bug)."""
+        n = len(self.output_ids)
+        lens = (len(self.logprobs), len(self.versions), len(self.proximal_logprobs_t), len(self.proximal_versions))
+        if any(x != n for x in lens):
+            raise AssertionError(f"per-token arrays out of step: {n} ids vs {lens}")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One engine call's result, before stitching (what a wire client parses)."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    matched_stop: int | str | None = None
+    # input logprobs for absolute prompt positions [input_logprobs_start, prompt_len); None where
+    # the engine returned null (the first entry). Empty when none were requested.
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_logprobs_start: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    weight_version: str | None = None
+
+
+class EngineError(Exception):
+    """Base for engine failures. ``retryable`` is true only when nothing was generated."""
+
+    status_code = 502
+    code = "engine_error"
+
+    def __init__(self, message: str, *, replica: str = "", retryable: bool = True):
+        super().__init__(message)
+        self.replica = replica
+        self.retryable = retryable
+
+
+class EngineUnavailable(EngineError):
+    """Connection refused / reset: the replica is down."""
+
+    status_code = 503
+    code = "engine_unavailable"
+
+
+class EngineTimeout(EngineError):
+    status_code = 504
+    code = "engine_timeout"
+
+
+class EngineBadResponse(EngineError):
+    """5xx or malformed JSON from the engine."""
+
+    status_code = 502
+    code = "engine_bad_response"
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request (4xx): retrying the same request will not help."""
+
+    status_code = 400
+    code = "engine_rejected"
+
+    def __init__(self, message: str, *, replica: str = "", retryable: bool = False):
+        super().__init__(message, replica=replica, retryable=retryable)

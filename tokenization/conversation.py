@@ -1,0 +1,86 @@
+"""Splice's conversation model: the one shape both OpenAI front ends convert into.
+
+Frozen dataclasses so a recorded history can be compared and fingerprinted cheaply. The
+conversion to the `renderers` package's message dicts lives here too, so no other module
+needs to know that format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the assistant made. ``arguments`` is the JSON text as sent on the wire."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def arguments_value(self) -> Any:
+        """Arguments as a JSON value (for comparisons that ignore spacing); the raw text if invalid."""
+        try:
+            return json.loads(self.arguments)
+        except (ValueError, TypeError):
+            return self.arguments
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    content: str = ""
+    reasoning: str | None = None  # assistant only
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant only
+    tool_call_id: str | None = None  # tool only
+    name: str | None = None  # tool only: the function name, when the client gives it
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function tool definition (OpenAI's flat shape)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+
+
+def to_renderer_message(msg: Message) -> dict[str, Any]:
+    """Convert to the `renderers` package's message dict."""
+    role = "system" if msg.role == "developer" else msg.role
+    out: dict[str, Any] = {"role": role, "content": msg.content}
+    if msg.role == "assistant":
+        if msg.reasoning:
+            out["reasoning_content"] = msg.reasoning
+        if msg.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "type": "function",
+                    "id": tc.id,
+                    "function": {"name": tc.name, "arguments": tc.arguments_value()},
+                }
+                for tc in msg.tool_calls
+            ]
+    elif msg.role == "tool":
+        if msg.tool_call_id:
+            out["tool_call_id"] = msg.tool_call_id
+        if msg.name:
+            out["name"] = msg.name
+    return out
+
+
+def to_renderer_messages(messages: list[Message] | tuple[Message, ...]) -> list[dict[str, Any]]:
+    return [to_renderer_message(m) for m in messages]
+
+
+def to_renderer_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [
+        {"name": t.name, "description": t.description, "parameters": t.parameters or {"type": "object", "properties": {}}}
+        for t in tools
+    ]
