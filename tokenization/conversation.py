@@ -84,3 +84,33 @@ def to_renderer_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[
         {"name": t.name, "description": t.description, "parameters": t.parameters or {"type": "object", "properties": {}}}
         for t in tools
     ]
+
+
+def _canonical_message(msg: Message) -> list[Any]:
+    """What identifies a message for session matching.
+
+    Tool-call arguments compare as JSON values (spacing and key order do not matter); ids and
+    reasoning are left out (clients rename call ids and most Chat clients drop reasoning).
+    ``developer`` and ``system`` are the same role to the template.
+    """
+    role = "system" if msg.role == "developer" else msg.role
+    calls = [[tc.name, tc.arguments_value()] for tc in msg.tool_calls]
+    return [role, msg.content.strip() if role == "assistant" else msg.content, calls]
+
+
+def fingerprint(messages: list[Message] | tuple[Message, ...]) -> str:
+    """A stable hash of a message history, used to find the turn a request continues."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for m in messages:
+        h.update(json.dumps(_canonical_message(m), sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode())
+        h.update(b"\x1e")
+    return h.hexdigest()
+
+
+def tools_fingerprint(tools: list[Tool] | tuple[Tool, ...] | None) -> str:
+    import hashlib
+
+    data = [[t.name, t.description, t.parameters] for t in (tools or [])]
+    return hashlib.blake2b(json.dumps(data, sort_keys=True).encode(), digest_size=8).hexdigest()

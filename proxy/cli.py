@@ -1,0 +1,147 @@
+"""The ``splice`` command: serve, engine, init-model, demo, train, bench."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+
+from .settings import Settings
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the proxy")
+    p.add_argument("--engine", choices=["sglang", "vllm", "reference"])
+    p.add_argument("--engine-url", action="append", dest="engine_url", metavar="URL", help="repeatable; replicas")
+    p.add_argument("--tokenizer", metavar="PATH_OR_ID")
+    p.add_argument("--renderer", metavar="NAME", help="a renderers family (e.g. qwen3) or 'generic'")
+    p.add_argument("--model-name")
+    p.add_argument("--store", metavar="PATH")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--admin-token")
+    p.add_argument("--api-key")
+    p.add_argument("--thinking-retention", choices=["all", "tool_cycle", "template"])
+    p.add_argument("--sampling", choices=["trainable", "honor"])
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-context", type=int)
+    p.add_argument("--lease-timeout-s", type=float)
+    p.add_argument("--reference-model", metavar="DIR", help="model dir for the bundled engine (created if missing)")
+    p.add_argument("--reference-script", metavar="FILE")
+    p.add_argument("--reference-script-delay-ms", type=int)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Flags override ``SPLICE_*`` environment variables, which override defaults."""
+    overrides = {k: v for k, v in vars(args).items() if v is not None and k in Settings.model_fields}
+    return Settings(**overrides)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build(settings: Settings):
+    """Engine pool, chat format and (for the embedded default) the engine process."""
+    from engines.pool import EnginePool
+    from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir, renderer_name_for
+
+    engine_proc = None
+    urls = list(settings.engine_url)
+    tokenizer_path = settings.tokenizer
+    renderer = settings.renderer
+    if not urls:
+        from engines.reference.model_init import ensure_model, read_config
+
+        from .engine_process import EngineProcess
+
+        model_dir = str(ensure_model(settings.reference_model))
+        engine_proc = EngineProcess(
+            model_dir, script=settings.reference_script, script_delay_ms=settings.reference_script_delay_ms
+        ).wait_ready()
+        urls = [engine_proc.url]
+        tokenizer_path = tokenizer_path or model_dir
+        renderer = renderer or "qwen3"  # the bundled model is Qwen3 with the real Qwen3 template
+        max_pos = read_config(model_dir).get("max_position_embeddings")
+        if max_pos and "max_context" not in settings.model_fields_set:
+            settings = settings.model_copy(update={"max_context": int(max_pos)})
+    kind = "vllm" if settings.engine == "vllm" else "sglang"
+    tok = load_tokenizer(tokenizer_path or str(qwen3_tokenizer_dir()))
+    name = renderer_name_for(settings.model_name, renderer) if renderer != "generic" else None
+    fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention)
+    pool = EnginePool(kind, urls, model=settings.model_name, timeout_s=settings.engine_timeout_s)
+    return settings, fmt, pool, engine_proc
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    settings = settings_from_args(args)
+    if not _is_loopback(settings.host) and not settings.admin_token:
+        print(
+            f"refusing to bind {settings.host} without --admin-token: the pull and admin APIs would be open",
+            file=sys.stderr,
+        )
+        return 2
+    os.makedirs(os.path.dirname(os.path.abspath(settings.store)), exist_ok=True)
+    settings, fmt, pool, engine_proc = build(settings)
+    app = create_app(settings, fmt=fmt, pool=pool)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    finally:
+        if engine_proc is not None:
+            engine_proc.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("SPLICE_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    parser = argparse.ArgumentParser(prog="splice", description="token-exact OpenAI-compatible proxy for agentic RL")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    sub.add_parser("engine", help="run the CPU reference engine (SGLang/vLLM subset)", add_help=False)
+    sub.add_parser("init-model", help="write the tiny Qwen3-architecture model with the real Qwen3 tokenizer", add_help=False)
+    sub.add_parser("demo", help="the whole loop: engine, proxy, agents, trainer", add_help=False)
+    sub.add_parser("train", help="the GRPO trainer loop against one or more proxies", add_help=False)
+    sub.add_parser("bench", help="benchmarks (overhead, splice, store, logprobs)", add_help=False)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("engine", "init-model", "demo", "train", "bench"):
+        cmd, rest = argv[0], argv[1:]
+        if cmd == "engine":
+            from engines.reference.server import main as engine_main
+
+            return engine_main(rest) or 0
+        if cmd == "init-model":
+            from engines.reference.model_init import main as init_main
+
+            return init_main(rest) or 0
+        if cmd == "train":
+            from trainer_bridge.train import main as train_main
+
+            return train_main(rest) or 0
+        if cmd == "demo":
+            from .demo import main as demo_main
+
+            return demo_main(rest) or 0
+        if cmd == "bench":
+            from .bench import main as bench_main
+
+            return bench_main(rest) or 0
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Prometheus metrics, one registry per app so tests and several apps in a process stay apart."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("splice_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.errors = Counter("splice_errors", "Error responses by route and code", ["route", "code"], registry=r)
+        self.request_seconds = Histogram("splice_request_seconds", "Wall time per request", ["route"], buckets=_LAT, registry=r)
+        self.proxy_seconds = Histogram(
+            "splice_proxy_seconds", "Proxy's own time per turn (wall time minus engine time)", buckets=_LAT, registry=r
+        )
+        self.engine_seconds = Histogram("splice_engine_seconds", "Engine time per turn", buckets=_LAT, registry=r)
+        self.stage_seconds = Histogram(
+            "splice_stage_seconds", "Proxy time per stage of a turn", ["stage"], buckets=_LAT, registry=r
+        )
+        self.tokens_in = Counter("splice_prompt_tokens", "Prompt tokens sent to engines", registry=r)
+        self.tokens_out = Counter("splice_output_tokens", "Tokens generated", registry=r)
+        self.turns = Counter("splice_turns", "Finished turns by api", ["api"], registry=r)
+        self.spliced = Counter("splice_spliced_turns", "Turns whose prompt was spliced from verbatim ids", registry=r)
+        self.forks = Counter("splice_forks", "Turns rendered in full, by reason", ["reason"], registry=r)
+        self.drift = Counter(
+            "splice_drift_avoided", "Spliced turns a full re-render would have tokenized differently", registry=r
+        )
+        self.aborts = Counter("splice_aborts", "Engine aborts (weight updates) during generation", registry=r)
+        self.resumes = Counter("splice_resumes", "Generations resumed after an abort", registry=r)
+        self.recomputed = Counter("splice_recomputed_tokens", "Proximal logprobs recomputed (R2)", registry=r)
+        self.sampling_overrides = Counter(
+            "splice_sampling_overrides", "Requests whose sampling values were replaced by the trainable ones", registry=r
+        )
+        self.malformed_calls = Counter("splice_malformed_tool_calls", "Tool calls returned as text", registry=r)
+        self.inflight = Gauge("splice_inflight_turns", "Turns in flight", registry=r)
+        self.store_bytes = Gauge("splice_store_bytes", "Size of the SQLite store on disk", registry=r)
+        self.version = Gauge("splice_policy_version", "Current policy version", registry=r)

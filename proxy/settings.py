@@ -1,0 +1,35 @@
+"""Proxy configuration: every ``splice serve`` flag is also a ``SPLICE_*`` environment variable."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPLICE_", extra="ignore")
+
+    engine: Literal["sglang", "vllm", "reference"] = "reference"
+    engine_url: list[str] = Field(default_factory=list)  # empty: start the bundled reference engine
+    tokenizer: str | None = None  # path or hub id; default: the engine's model dir / bundled Qwen3
+    renderer: str | None = None  # a `renderers` family (e.g. qwen3) or "generic"
+    model_name: str = "splice-model"  # what /v1/models reports; also picks the renderer if known
+    store: str = "splice_data/splice.sqlite"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_token: str | None = None
+    api_key: str | None = None
+    thinking_retention: Literal["all", "tool_cycle", "template"] = "all"
+    sampling: Literal["trainable", "honor"] = "trainable"
+    temperature: float = 1.0  # the server-wide sampling temperature (trainable mode)
+    max_context: int = 32768  # prompt + output tokens the model can take
+    default_max_tokens: int = 1024  # output budget when the request does not set one
+    lease_timeout_s: float = 600.0
+    max_request_bytes: int = 32 * 1024 * 1024
+    max_inflight: int = 1024  # concurrent turns before 429
+    engine_timeout_s: float = 600.0
+    reference_model: str | None = None  # model dir for the bundled engine (created if missing)
+    reference_script: str | None = None  # script file for the bundled engine
+    reference_script_delay_ms: int = 0
