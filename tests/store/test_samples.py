@@ -1,0 +1,114 @@
+"""Longest-active-prefix sample assembly (SPEC section 5, seed 002)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from proxy import samples as samples_mod
+from proxy.records import SessionRecord
+from proxy.samples import assemble_samples
+
+
+def session(**kw) -> SessionRecord:
+    base = dict(session_id="s", group_id="g", group_size=None, reward=1.5, closed=True, created_at=0.0, metadata={})
+    base.update(kw)
+    return SessionRecord(**base)
+
+
+def seed_002_turns(make_turn):
+    """The 4-step rollback trajectory; logprob of token t in turn k is -(10k + t), versions 10k + t."""
+
+    def turn(k, prompt, output):
+        return make_turn(
+            "s",
+            k,
+            prompt,
+            output,
+            logprobs=[-(10 * k + t) for t in output],
+            version=[10 * k + t for t in output],
+        )
+
+    return [
+        turn(0, [1, 2], [3, 4]),
+        turn(1, [1, 2, 3, 4, 5], [6]),
+        turn(2, [1, 2], [3, 4, 5, 6, 7]),
+        turn(3, [1, 2, 3, 4, 5, 6, 7, 8], [9]),
+    ]
+
+
+def check_seed_002(out):
+    assert len(out) == 2
+    a, b = out
+    for s in out:
+        n = len(s.input_ids)
+        assert all(len(x) == n for x in (s.loss_mask, s.logprobs, s.versions, s.proximal_logprobs_t, s.proximal_versions))
+    # sample A: turns 0 and 1
+    assert a.input_ids == [1, 2, 3, 4, 5, 6]
+    assert a.loss_mask == [0, 0, 1, 1, 0, 1]
+    assert a.logprobs == [0.0, 0.0, -3.0, -4.0, 0.0, -16.0]
+    assert a.versions == [-1, -1, 3, 4, -1, 16]
+    assert a.proximal_logprobs_t == a.logprobs
+    assert a.proximal_versions == a.versions
+    assert a.turn_ids == ["s-t0", "s-t1"]
+    # sample B: turns 2 and 3; token 7 stays a sampled token of turn 2
+    assert b.input_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert b.loss_mask == [0, 0, 1, 1, 1, 1, 1, 0, 1]
+    assert b.logprobs == [0.0, 0.0, -23.0, -24.0, -25.0, -26.0, -27.0, 0.0, -39.0]
+    assert b.versions == [-1, -1, 23, 24, 25, 26, 27, -1, 39]
+    assert b.proximal_versions == b.versions
+    assert b.turn_ids == ["s-t2", "s-t3"]
+
+
+def test_seed_002_longest_prefix(make_turn, caplog):
+    with caplog.at_level(logging.WARNING, logger="proxy.samples"):
+        out = assemble_samples(session(), seed_002_turns(make_turn))
+    check_seed_002(out)
+    assert out[0].sample_id == "s:0" and out[1].sample_id == "s:1"
+    assert all(s.reward == 1.5 and s.group_id == "g" and s.session_id == "s" for s in out)
+    assert any("ambiguous prefix" in r.message and "[6, 7]" in r.message for r in caplog.records)
+
+
+def test_seed_002_fails_with_first_match(make_turn, monkeypatch):
+    monkeypatch.setattr(samples_mod, "_choose", lambda matches: matches[0])
+    out = assemble_samples(session(), seed_002_turns(make_turn))
+    with pytest.raises(AssertionError):
+        check_seed_002(out)
+    # the seed's bug exactly: B's sampled token 7 filed in A as prompt
+    assert out[0].input_ids[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert out[0].loss_mask[6] == 0
+
+
+def test_order_follows_index_not_list_order(make_turn):
+    turns = seed_002_turns(make_turn)
+    check_seed_002(assemble_samples(session(), list(reversed(turns))))
+
+
+def test_spliced_session_is_one_sample_with_proximal_values(make_turn):
+    t0 = make_turn("s", 0, [5, 6], [7, 8], version=[0, 1])
+    t0.proximal_logprobs_t = [-0.5, t0.output_logprobs[1]]
+    t0.proximal_versions = [1, 1]
+    t1 = make_turn("s", 1, [5, 6, 7, 8, 100, 101], [9], version=1)
+    (s,) = assemble_samples(session(), [t0, t1])
+    assert s.input_ids == [5, 6, 7, 8, 100, 101, 9]
+    assert s.loss_mask == [0, 0, 1, 1, 0, 0, 1]
+    assert s.logprobs == [0.0, 0.0, -1 - 1 / 1024, -1 - 2 / 1024, 0.0, 0.0, -2 - 1 / 1024]
+    assert s.versions == [-1, -1, 0, 1, -1, -1, 1]
+    assert s.proximal_logprobs_t == [0.0, 0.0, -0.5, -1 - 2 / 1024, 0.0, 0.0, -2 - 1 / 1024]
+    assert s.proximal_versions == [-1, -1, 1, 1, -1, -1, 1]
+    d = s.to_dict()
+    assert d["input_ids"] == s.input_ids and d["sample_id"] == "s:0" and d["reward"] == 1.5
+
+
+def test_fork_starts_new_sample_and_leaves_earlier_alone(make_turn):
+    t0 = make_turn("s", 0, [1, 2], [3])
+    t1 = make_turn("s", 1, [1, 2, 3, 4], [5])
+    t2 = make_turn("s", 2, [1, 9, 3, 4], [6])  # history edited
+    out = assemble_samples(session(), [t0, t1, t2])
+    assert [s.input_ids for s in out] == [[1, 2, 3, 4, 5], [1, 9, 3, 4, 6]]
+    assert [s.loss_mask for s in out] == [[0, 0, 1, 0, 1], [0, 0, 0, 0, 1]]
+
+
+def test_empty_session():
+    assert assemble_samples(session(), []) == []
