@@ -64,6 +64,9 @@ class Segment:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     weight_version: str | None = None
+    # SGLang >= 0.5.23 ``meta_info.weight_versions``: (start, end, version) spans over this
+    # segment's output tokens, for engines that can change weights mid-request.
+    weight_version_spans: tuple[tuple[int, int, str], ...] = ()
 
 
 class EngineError(Exception):
@@ -95,6 +98,30 @@ class EngineBadResponse(EngineError):
 
     status_code = 502
     code = "engine_bad_response"
+
+
+class EngineUnsupported(EngineError):
+    """The engine kind has no such operation (e.g. loading weights into vLLM over HTTP)."""
+
+    status_code = 501
+    code = "engine_unsupported"
+
+    def __init__(self, message: str, *, replica: str = "", retryable: bool = False):
+        super().__init__(message, replica=replica, retryable=retryable)
+
+
+class EnginePaused(EngineError):
+    """The engines are paused for a weight update; the call would block until they resume."""
+
+    status_code = 503
+    code = "engine_paused"
+
+
+class EngineVersionChanged(EngineError):
+    """The weights changed while a prefill was computed, so its values belong to no known version."""
+
+    status_code = 409
+    code = "engine_version_changed"
 
 
 class EngineRejected(EngineError):

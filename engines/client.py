@@ -1,0 +1,59 @@
+"""The interface every wire client (SGLang, vLLM) offers the pool, so routing and abort-resume
+are written once and do not know which engine they drive."""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Protocol
+
+from engines.types import EngineBadResponse, SamplingParams, Segment
+
+# Called with the output ids (and their behaviour logprobs) new since the previous call.
+TokensCallback = Callable[[list[int], list[float]], Awaitable[None]]
+
+
+class EngineClient(Protocol):
+    """One replica. Every method raises an ``engines.types.EngineError`` subclass on failure."""
+
+    url: str
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str,
+        input_logprobs_from: int | None = None,
+        on_tokens: TokensCallback | None = None,
+    ) -> Segment:
+        """One engine call. ``input_logprobs_from=k`` asks for log p(x_j | x_<j) for every
+        absolute position j >= k (k >= 1), returned in ``Segment.input_logprobs`` indexed from
+        ``Segment.input_logprobs_start``; None asks for none (keeps prefix caching intact).
+        Streams when ``on_tokens`` is given. Cancelling the call aborts it on the engine."""
+        ...
+
+    async def prefill(self, input_ids: list[int], start: int) -> tuple[list[float], str | None]:
+        """log p(x_k | x_<k) for k in [start, len(input_ids)) without sampling, plus the
+        engine-reported weight version (None when the engine does not report one)."""
+        ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(self, model_path: str, version: int) -> None: ...
+
+    async def weight_version(self) -> str | None: ...
+
+    async def health(self) -> bool: ...
+
+
+def prefill_values(seg: Segment, input_ids: list[int], start: int, replica: str) -> list[float]:
+    """Logprobs for absolute positions ``start..len(input_ids)-1`` from a prefill segment."""
+    want = len(input_ids) - start
+    offset = start - seg.input_logprobs_start
+    values = seg.input_logprobs[offset : offset + want] if offset >= 0 else []
+    if len(values) != want or any(v is None for v in values):
+        raise EngineBadResponse(
+            f"{replica}: prefill returned {len(values)} usable logprobs for {want} positions", replica=replica
+        )
+    return [float(v) for v in values]  # type: ignore[arg-type]

@@ -1,0 +1,181 @@
+"""HTTP plumbing shared by the engine clients: one place maps transport trouble to typed errors.
+
+Mapping (what the pool's failover relies on):
+
+- connection refused / reset / protocol errors -> ``EngineUnavailable`` (the replica is down)
+- any httpx timeout                            -> ``EngineTimeout``
+- HTTP 5xx, or a body that is not JSON          -> ``EngineBadResponse``
+- HTTP 4xx                                      -> ``EngineRejected`` (never retried)
+
+Engines can emit ``-Infinity``/``NaN`` in JSON (Python's encoder does); those bodies are
+decoded leniently and every non-finite or null logprob is mapped to ``NEG_INF_LOGPROB``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import httpx
+import orjson
+
+from engines.types import (
+    EngineBadResponse,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+)
+
+# vLLM clamps -inf to -9999.0 on the wire; Splice uses the same value for every engine so a
+# zero-probability token looks the same whichever engine sampled or scored it.
+NEG_INF_LOGPROB = -9999.0
+
+_ERROR_SNIPPET = 500
+# A replica that does not accept a connection within this long is treated as down (failover),
+# however long generation itself may take.
+CONNECT_TIMEOUT_S = 10.0
+
+
+def _timeout(total_s: float) -> httpx.Timeout:
+    """``total_s`` for reads/writes, but a short connect timeout so dead replicas fail fast."""
+    return httpx.Timeout(total_s, connect=min(total_s, CONNECT_TIMEOUT_S))
+
+
+def clean_logprob(value: Any) -> float:
+    """A finite float for a logprob from the wire (-inf, NaN and null -> NEG_INF_LOGPROB)."""
+    if value is None:
+        return NEG_INF_LOGPROB
+    x = float(value)
+    if math.isnan(x) or x < NEG_INF_LOGPROB:
+        return NEG_INF_LOGPROB
+    return x
+
+
+def map_transport_error(exc: httpx.HTTPError, replica: str) -> EngineError:
+    """Turn an httpx exception into the engine error the pool understands."""
+    if isinstance(exc, httpx.TimeoutException):
+        return EngineTimeout(f"{replica}: timed out ({type(exc).__name__})", replica=replica)
+    if isinstance(exc, (httpx.TransportError,)):
+        return EngineUnavailable(f"{replica}: {type(exc).__name__}: {exc}", replica=replica)
+    return EngineBadResponse(f"{replica}: {type(exc).__name__}: {exc}", replica=replica)
+
+
+def status_error(status: int, body: bytes, replica: str, path: str) -> EngineError:
+    """The error for a non-2xx reply; the engine's own message is kept for the operator."""
+    text = body[:_ERROR_SNIPPET].decode("utf-8", "replace")
+    msg = f"{replica}{path}: HTTP {status}: {text}"
+    if 400 <= status < 500:
+        return EngineRejected(msg, replica=replica)
+    return EngineBadResponse(msg, replica=replica)
+
+
+def decode_json(body: bytes, replica: str, path: str) -> Any:
+    """Parse a JSON body; tolerate ``-Infinity``/``NaN`` literals; malformed -> EngineBadResponse."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        snippet = body[:200].decode("utf-8", "replace")
+        raise EngineBadResponse(f"{replica}{path}: malformed JSON ({exc}): {snippet!r}", replica=replica) from None
+
+
+def expect_dict(data: Any, replica: str, path: str) -> dict:
+    if not isinstance(data, dict):
+        raise EngineBadResponse(f"{replica}{path}: expected a JSON object, got {type(data).__name__}", replica=replica)
+    return data
+
+
+class Http:
+    """A replica's base URL plus the shared ``httpx.AsyncClient``; every call raises typed errors."""
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str):
+        self.client = client
+        self.url = base_url.rstrip("/")
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        timeout: float,
+        allow_empty: bool = False,
+    ) -> Any:
+        """Send one request and return its decoded JSON body (None for an allowed empty body)."""
+        content = orjson.dumps(body) if body is not None else None
+        headers = {"content-type": "application/json"} if content is not None else None
+        try:
+            resp = await self.client.request(
+                method, self.url + path, content=content, headers=headers, timeout=_timeout(timeout)
+            )
+        except httpx.HTTPError as exc:
+            raise map_transport_error(exc, self.url) from exc
+        if resp.status_code >= 300:
+            raise status_error(resp.status_code, resp.content, self.url, path)
+        if allow_empty and not resp.content.strip():
+            return None
+        return decode_json(resp.content, self.url, path)
+
+    @asynccontextmanager
+    async def stream(self, path: str, body: Any, *, timeout: float) -> AsyncIterator[httpx.Response]:
+        """POST and yield the open response once its status is known to be 2xx."""
+        req = self.client.build_request(
+            "POST",
+            self.url + path,
+            content=orjson.dumps(body),
+            headers={"content-type": "application/json", "accept": "text/event-stream"},
+            timeout=_timeout(timeout),
+        )
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise map_transport_error(exc, self.url) from exc
+        try:
+            if resp.status_code >= 300:
+                try:
+                    content = await resp.aread()
+                except httpx.HTTPError:
+                    content = b""
+                raise status_error(resp.status_code, content, self.url, path)
+            yield resp
+        finally:
+            await resp.aclose()
+
+    async def sse(self, resp: httpx.Response, path: str) -> AsyncIterator[dict]:
+        """Yield each ``data: {...}`` frame of a server-sent-event stream until ``data: [DONE]``.
+
+        A frame carrying ``error`` (how SGLang and vLLM report failures mid-stream) raises.
+        """
+        try:
+            async for line in resp.aiter_lines():
+                line = line.strip()
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event names
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    return
+                frame = expect_dict(decode_json(payload.encode(), self.url, path), self.url, path)
+                raise_stream_error(frame, self.url, path)
+                yield frame
+        except httpx.HTTPError as exc:
+            raise map_transport_error(exc, self.url) from exc
+
+
+def raise_stream_error(frame: dict, replica: str, path: str) -> None:
+    """Raise if an SSE frame is an error report rather than data."""
+    err = frame.get("error")
+    if err is None and frame.get("object") == "error":
+        err = frame
+    if err is None:
+        return
+    message = err.get("message", err) if isinstance(err, dict) else err
+    code = err.get("code") if isinstance(err, dict) else None
+    if isinstance(code, int) and 400 <= code < 500:
+        raise EngineRejected(f"{replica}{path}: {message}", replica=replica)
+    raise EngineBadResponse(f"{replica}{path}: error in stream: {message}", replica=replica)

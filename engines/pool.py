@@ -1,0 +1,451 @@
+"""``EnginePool``: the one object the proxy uses to reach its engines.
+
+It owns the policy version ``V``, routes each session to a replica (consistent hashing, sticky,
+failover along the ring), runs the abort-resume loop (R1, ``engines.resume``), computes
+prefill-only logprobs (R2), and broadcasts pause / resume / weight updates to every replica.
+
+Pause semantics: ``pause()`` clears the resume event *before* the engines abort their requests,
+so every aborted request is held until ``resume()``; a resumed segment is sent under the version
+current at that moment. Requests that arrive while paused wait too (they would block on the
+engine anyway, and would be stamped with a stale version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Literal
+
+import httpx
+
+from engines.client import EngineClient, TokensCallback
+from engines.resume import Stitcher, parse_version
+from engines.routing import HashRing
+from engines.sglang import SGLangClient
+from engines.types import (
+    EngineError,
+    EnginePaused,
+    EngineRejected,
+    EngineUnavailable,
+    EngineVersionChanged,
+    Generation,
+    SamplingParams,
+)
+from engines.vllm import VLLMClient
+
+log = logging.getLogger(__name__)
+
+EngineKind = Literal["sglang", "vllm"]
+# The proxy may pass a callback taking only the new ids, or ids and their logprobs.
+AnyTokensCallback = Callable[..., Awaitable[None]]
+
+_MAX_IDLE_BACKOFF_S = 1.0
+
+
+@dataclass
+class Replica:
+    """One engine replica and what the pool knows about it."""
+
+    url: str
+    client: EngineClient
+    healthy: bool = True
+    stale: bool = False  # missed a weight update: not routed to until it has the current weights
+    in_flight: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.stale
+
+
+def _adapt_callback(cb: AnyTokensCallback | None) -> TokensCallback | None:
+    """Wrap a one-argument ``on_tokens(ids)`` so the clients can always pass ids and logprobs."""
+    if cb is None:
+        return None
+    try:
+        params = list(inspect.signature(cb).parameters.values())
+    except (TypeError, ValueError):
+        return cb
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_POSITIONAL for p in params) or len(positional) >= 2:
+        return cb
+
+    async def ids_only(ids: list[int], logprobs: list[float]) -> None:
+        await cb(ids)
+
+    return ids_only
+
+
+class EnginePool:
+    """Replicas of one engine kind behind a hash ring, with the policy version and R1/R2."""
+
+    def __init__(
+        self,
+        kind: str,
+        urls: list[str],
+        *,
+        model: str = "",
+        version: int = 0,
+        timeout_s: float = 600.0,
+        health_interval_s: float = 5.0,
+        http_client: httpx.AsyncClient | None = None,
+        vnodes: int = 160,
+    ):
+        kind = "sglang" if kind == "reference" else kind  # the reference engine speaks SGLang's API
+        if kind not in ("sglang", "vllm"):
+            raise ValueError(f"unknown engine kind {kind!r} (expected 'sglang' or 'vllm')")
+        if not urls:
+            raise ValueError("EnginePool needs at least one engine URL")
+        self.kind: EngineKind = kind  # type: ignore[assignment]
+        self.model = model
+        self.timeout_s = timeout_s
+        self.health_interval_s = health_interval_s
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        )
+        self._replicas: dict[str, Replica] = {}
+        for url in urls:
+            client: EngineClient
+            if kind == "sglang":
+                client = SGLangClient(self._http, url, timeout_s=timeout_s)
+            else:
+                client = VLLMClient(self._http, url, model=model, timeout_s=timeout_s)
+            if client.url in self._replicas:
+                raise ValueError(f"duplicate engine URL {client.url}")
+            self._replicas[client.url] = Replica(client.url, client)
+        self._ring = HashRing(self._replicas, vnodes=vnodes)
+        self._version = int(version)
+        self._paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._closed = False
+        self._in_flight = 0
+        self._held = 0
+        self._model_path: str | None = None
+        self._health_task: asyncio.Task | None = None
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The current policy version V."""
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._replicas)
+
+    def set_version(self, v: int) -> None:
+        """Set V when the trainer moved the weights itself (or after a restart)."""
+        self._version = int(v)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "version": self._version,
+            "paused": self._paused,
+            "in_flight": self._in_flight,
+            "held": self._held,
+            "replicas": [
+                {"url": r.url, "healthy": r.healthy, "stale": r.stale, "in_flight": r.in_flight}
+                for r in self._replicas.values()
+            ],
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Probe the replicas, learn vLLM's model name if none was given, start health checks."""
+        await self.health()
+        if self.kind == "vllm" and not self.model:
+            for r in self._replicas.values():
+                if r.healthy:
+                    try:
+                        self.model = await r.client.served_model()  # type: ignore[attr-defined]
+                    except EngineError as exc:
+                        log.warning("could not read the served model from %s: %s", r.url, exc)
+                        continue
+                    for rr in self._replicas.values():
+                        rr.client.model = self.model  # type: ignore[attr-defined]
+                    break
+        if self.health_interval_s > 0 and self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop(), name="splice-engine-health")
+
+    async def close(self) -> None:
+        """Stop health checks, release held requests (they fail with EngineUnavailable)."""
+        self._closed = True
+        self._resumed.set()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._health_task = None
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> "EnginePool":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def replica_for(self, session_id: str) -> str:
+        """The replica a new request of ``session_id`` goes to now (sticky unless it is down)."""
+        return self._candidates(session_id)[0].url
+
+    def _candidates(self, session_id: str) -> list[Replica]:
+        """Ring order for the session, usable replicas first (the owner unless it is down)."""
+        order = [self._replicas[u] for u in self._ring.preference(session_id)]
+        usable = [r for r in order if r.usable]
+        return usable + [r for r in order if not r.usable]
+
+    def _note_error(self, replica: Replica, exc: EngineError) -> None:
+        if isinstance(exc, EngineUnavailable):
+            if replica.healthy:
+                log.warning("engine replica %s is unavailable: %s", replica.url, exc)
+            replica.healthy = False
+        if not exc.replica:
+            exc.replica = replica.url
+
+    async def _call_with_failover(
+        self, session_id: str, call: Callable[[Replica], Awaitable[Any]], *, may_retry: Callable[[], bool]
+    ) -> tuple[Replica, Any]:
+        """Run ``call`` on the session's replica; on a retryable failure, once on the next one."""
+        candidates = self._candidates(session_id)
+        last: EngineError | None = None
+        for attempt, replica in enumerate(candidates[:2]):
+            if attempt == 1 and not (last is not None and last.retryable and may_retry() and replica.usable):
+                break
+            replica.in_flight += 1
+            try:
+                return replica, await call(replica)
+            except EngineError as exc:
+                self._note_error(replica, exc)
+                last = exc
+            finally:
+                replica.in_flight -= 1
+            if isinstance(last, EngineRejected):
+                break
+        assert last is not None
+        raise last
+
+    # -- generation (R1) ------------------------------------------------------------------------
+
+    async def _wait_resumed(self) -> None:
+        if not self._resumed.is_set():
+            self._held += 1
+            try:
+                await self._resumed.wait()
+            finally:
+                self._held -= 1
+        if self._closed:
+            raise EngineUnavailable("the engine pool is closed")
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        session_id: str,
+        on_tokens: AnyTokensCallback | None = None,
+    ) -> Generation:
+        """Generate until stop / length, riding through any number of pause-abort-resume cycles.
+
+        ``on_tokens(ids)`` or ``on_tokens(ids, logprobs)`` receives output tokens as they are
+        sampled (the call streams from the engine then). Raises ``EngineError``; its
+        ``retryable`` is False once any token was produced.
+        """
+        if self._closed:
+            raise EngineUnavailable("the engine pool is closed")
+        stitch = Stitcher(list(input_ids), params)
+        delivered = 0
+        user_cb = _adapt_callback(on_tokens)
+        cb: TokensCallback | None = None
+        if user_cb is not None:
+
+            async def cb(ids: list[int], logprobs: list[float]) -> None:
+                nonlocal delivered
+                delivered += len(ids)
+                await user_cb(ids, logprobs)
+
+        replica: Replica | None = None
+        backoff = 0.0
+        self._in_flight += 1
+        try:
+            while True:
+                await self._wait_resumed()
+                sent_version = self._version
+                frm = stitch.logprobs_from(sent_version)
+                body_ids = stitch.next_input_ids()
+                body_params = stitch.next_params()
+                rid = f"splice-{session_id}-{uuid.uuid4().hex[:12]}"
+                t0 = time.perf_counter()
+
+                async def call(r: Replica) -> Any:
+                    return await r.client.generate(body_ids, body_params, rid=rid, input_logprobs_from=frm, on_tokens=cb)
+
+                try:
+                    if replica is None:  # first segment: pick by session, fail over once
+                        replica, seg = await self._call_with_failover(
+                            session_id, call, may_retry=lambda: delivered == 0
+                        )
+                    else:  # a resume stays where its tokens were produced
+                        replica.in_flight += 1
+                        try:
+                            seg = await call(replica)
+                        except EngineError as exc:
+                            self._note_error(replica, exc)
+                            raise
+                        finally:
+                            replica.in_flight -= 1
+                except EngineError as exc:
+                    if stitch.generated or delivered:
+                        exc.retryable = False
+                    raise
+                finally:
+                    stitch.gen.engine_time_s += time.perf_counter() - t0
+                replica.healthy = True
+                stitch.add(seg, sent_version)
+                if stitch.settle():
+                    break
+                if self._resumed.is_set():
+                    # Aborted although Splice did not pause (someone paused the engine directly):
+                    # re-send; the engine holds it until it continues. Back off if it keeps aborting.
+                    await asyncio.sleep(backoff)
+                    backoff = min(_MAX_IDLE_BACKOFF_S, backoff * 2 or 0.05)
+                else:
+                    backoff = 0.0
+        finally:
+            self._in_flight -= 1
+        gen = stitch.gen
+        gen.replica = replica.url
+        gen.check()
+        return gen
+
+    # -- prefill (R2) ---------------------------------------------------------------------------
+
+    async def prefill_logprobs(self, input_ids: list[int], start: int, *, session_id: str) -> list[float]:
+        """log pi_V(x_k | x_<k) for every k in [start, len(input_ids)), V = ``self.version``.
+
+        Raises ``EnginePaused`` while paused (the engines would hold the call until resume) and
+        ``EngineVersionChanged`` if the weights changed while it ran, so a value is never
+        credited to the wrong version.
+        """
+        if not 1 <= start <= len(input_ids):
+            raise ValueError(f"start must be in [1, {len(input_ids)}], got {start}")
+        if start == len(input_ids):
+            return []
+        if self._paused:
+            raise EnginePaused("engines are paused; prefill after resume")
+        version = self._version
+        ids = list(input_ids)
+        _, (values, reported) = await self._call_with_failover(
+            session_id, lambda r: r.client.prefill(ids, start), may_retry=lambda: True
+        )
+        engine_version = parse_version(reported)
+        if self._version != version or (engine_version is not None and engine_version != version):
+            raise EngineVersionChanged(
+                f"weights changed during the prefill (pool v{self._version}, engine {reported}, sent at v{version})"
+            )
+        return values
+
+    # -- admin ----------------------------------------------------------------------------------
+
+    async def _broadcast(self, what: str, op: Callable[[Replica], Awaitable[None]]) -> list[Replica]:
+        """Run ``op`` on every replica concurrently. Returns the replicas that were unreachable;
+        raises when a reachable replica failed or none succeeded."""
+        replicas = list(self._replicas.values())
+        results = await asyncio.gather(*(op(r) for r in replicas), return_exceptions=True)
+        down: list[Replica] = []
+        errors: list[str] = []
+        for r, res in zip(replicas, results):
+            if isinstance(res, EngineUnavailable):
+                self._note_error(r, res)
+                down.append(r)
+            elif isinstance(res, BaseException):
+                errors.append(f"{r.url}: {res}")
+        if errors or len(down) == len(replicas):
+            detail = "; ".join(errors or [f"{r.url} unavailable" for r in down])
+            err_types = {type(res) for res in results if isinstance(res, EngineError)}
+            cls = err_types.pop() if len(err_types) == 1 else EngineError
+            raise cls(f"{what} failed: {detail}", retryable=False)
+        return down
+
+    async def pause(self) -> None:
+        """Pause every replica (mode abort). In-flight requests come back partial and are held."""
+        self._paused = True
+        self._resumed.clear()
+        await self._broadcast("pause", lambda r: r.client.pause())
+
+    async def resume(self) -> None:
+        """Resume every replica; held requests re-send (and pick up their proximal values)."""
+        try:
+            await self._broadcast("resume", lambda r: r.client.resume())
+        finally:
+            self._paused = False
+            self._resumed.set()
+
+    async def update_weights(self, model_path: str, version: int) -> None:
+        """Load ``model_path`` on every replica as ``version``, then make it V.
+
+        A replica that is down is marked stale (no traffic) and brought up to date by the health
+        loop when it returns; V is set as long as one replica has the new weights. When a
+        reachable replica fails to load them this raises ``EngineError`` and V is unchanged
+        (retry the update); vLLM raises ``EngineUnsupported`` (use ``set_version``).
+        """
+
+        async def load(r: Replica) -> None:
+            await r.client.update_weights(model_path, version)
+            r.stale = False
+
+        down = await self._broadcast(f"update_weights({model_path!r}, v{version})", load)
+        for r in down:
+            r.stale = True
+        self._model_path = model_path
+        self._version = int(version)
+
+    async def health(self) -> dict[str, bool]:
+        """Probe every replica now; returns and records ``{url: healthy}``."""
+        replicas = list(self._replicas.values())
+        oks = await asyncio.gather(*(r.client.health() for r in replicas))
+        for r, ok in zip(replicas, oks):
+            if ok != r.healthy:
+                log.info("engine replica %s is %s", r.url, "healthy" if ok else "unhealthy")
+            r.healthy = ok
+        return {r.url: r.healthy for r in replicas}
+
+    async def _resync(self, r: Replica) -> None:
+        """Give a replica that missed a weight update the current weights."""
+        if self._model_path is None:
+            return
+        try:
+            await r.client.update_weights(self._model_path, self._version)
+        except EngineError as exc:
+            log.warning("could not bring %s to v%d: %s", r.url, self._version, exc)
+            return
+        r.stale = False
+        log.info("engine replica %s caught up to v%d", r.url, self._version)
+
+    async def _health_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.health()
+                for r in self._replicas.values():
+                    if r.stale and r.healthy and not self._paused:
+                        await self._resync(r)
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("engine health check failed")

@@ -1,0 +1,123 @@
+"""Stitching abort-resume segments into one ``Generation`` (SPEC section 4, rule R1).
+
+Pure bookkeeping, no I/O, so every alignment rule is testable on its own:
+
+- every segment's new tokens are stamped with the version that produced them;
+- a resumed segment re-sends ``prompt + all accumulated output`` and asks for input logprobs
+  from the *original* prompt length (so SGLang's ``logprob_start_len`` is always
+  ``len(prompt) - 1``, never the previous segment's length);
+- input logprobs are placed by absolute position: accumulated token ``i`` sits at position
+  ``len(prompt) + i`` whatever the segment, and only tokens with ``versions[i] == V_new - 1``
+  take the value (``proximal_versions[i] = V_new``);
+- the token budget shrinks by what was already generated; an abort that leaves no budget ends
+  the generation with ``"length"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from engines.types import Generation, SamplingParams, Segment
+
+
+def parse_version(value: str | None) -> int | None:
+    """An engine-reported weight version as a non-negative int, or None (e.g. SGLang's "default")."""
+    if value is None:
+        return None
+    try:
+        v = int(str(value).strip())
+    except ValueError:
+        return None
+    return v if v >= 0 else None
+
+
+def token_versions(seg: Segment, fallback: int) -> tuple[list[int], int]:
+    """(version of each new token, version the segment's prefill ran under).
+
+    Engine-reported versions win over ``fallback`` (the pool's version when the call was sent):
+    per-token spans when they cover every token and parse, else ``weight_version``.
+    """
+    n = len(seg.output_ids)
+    whole = parse_version(seg.weight_version)
+    seg_version = whole if whole is not None else fallback
+    spans = seg.weight_version_spans
+    if n and spans:
+        parsed = [(s, e, parse_version(v)) for s, e, v in spans]
+        per_token: list[int | None] = [None] * n
+        for s, e, v in parsed:
+            for i in range(max(s, 0), min(e, n)):
+                per_token[i] = v
+        if all(v is not None for v in per_token):
+            return [v for v in per_token if v is not None], per_token[0]  # type: ignore[return-value]
+    return [seg_version] * n, seg_version
+
+
+@dataclass
+class Stitcher:
+    """Accumulates one request's segments; tells the caller what to send next."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    gen: Generation = field(default_factory=lambda: Generation(segments=0))
+
+    @property
+    def generated(self) -> int:
+        return len(self.gen.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - self.generated
+
+    def next_input_ids(self) -> list[int]:
+        return self.prompt_ids + self.gen.output_ids
+
+    def next_params(self) -> SamplingParams:
+        return replace(self.params, max_new_tokens=max(self.remaining, 0))
+
+    def logprobs_from(self, version: int) -> int | None:
+        """``len(prompt)`` if an accumulated token is owed a proximal value under ``version``.
+
+        Asking for input logprobs caps prefix caching, so it is only done when it pays.
+        """
+        g = self.gen
+        owed = any(v == version - 1 and pv < version for v, pv in zip(g.versions, g.proximal_versions))
+        return len(self.prompt_ids) if owed else None
+
+    def add(self, seg: Segment, fallback_version: int) -> None:
+        """Fold one engine call's result in (proximal updates first, then the new tokens)."""
+        g = self.gen
+        new_versions, prefill_version = token_versions(seg, fallback_version)
+        if seg.input_logprobs and g.output_ids:
+            base = len(self.prompt_ids) - seg.input_logprobs_start
+            for i, v in enumerate(g.versions):
+                j = base + i  # absolute position len(prompt) + i, relative to the reply's start
+                if v != prefill_version - 1 or not 0 <= j < len(seg.input_logprobs):
+                    continue
+                value = seg.input_logprobs[j]
+                if value is not None:
+                    g.proximal_logprobs_t[i] = value
+                    g.proximal_versions[i] = prefill_version
+        if g.segments == 0:
+            g.prompt_tokens = seg.prompt_tokens or len(self.prompt_ids)
+            g.cached_tokens = seg.cached_tokens
+        g.segments += 1
+        g.output_ids.extend(seg.output_ids)
+        g.logprobs.extend(seg.logprobs)
+        g.versions.extend(new_versions)
+        g.proximal_logprobs_t.extend(seg.logprobs)
+        g.proximal_versions.extend(new_versions)
+        g.finish_reason = seg.finish_reason
+        g.matched_stop = seg.matched_stop
+        if seg.finish_reason == "abort":
+            g.aborts += 1
+
+    def settle(self) -> bool:
+        """True when finished for good: stopped, hit the length limit, or aborted with no budget
+        left (which is reported as ``"length"``). False: aborted, resume and continue."""
+        if self.gen.finish_reason != "abort":
+            return True
+        if self.remaining <= 0:
+            self.gen.finish_reason = "length"
+            self.gen.matched_stop = None
+            return True
+        return False

@@ -1,0 +1,265 @@
+"""Async client for SGLang's native ``/generate`` API and its admin endpoints (SPEC section 9).
+
+Splice talks to SGLang in token space only: ``input_ids`` in, ``meta_info`` logprob triples
+out. Only sampling keys SGLang knows are sent (0.5.23 answers unknown ones with HTTP 400), and
+input logprobs are requested (``logprob_start_len >= 0``) only when a token is owed one,
+because that also caps prefix-cache reuse at that position.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import httpx
+
+from engines.client import TokensCallback, prefill_values
+from engines.http import Http, clean_logprob, expect_dict
+from engines.types import (
+    EngineBadResponse,
+    EngineError,
+    EngineRejected,
+    EngineUnavailable,
+    FinishReason,
+    SamplingParams,
+    Segment,
+)
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def sampling_payload(params: SamplingParams) -> dict[str, Any]:
+    """SGLang ``sampling_params``: exactly the keys SGLang accepts, optional ones only when set."""
+    sp: dict[str, Any] = {
+        "max_new_tokens": int(params.max_new_tokens),
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if params.stop:
+        sp["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        sp["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+    return sp
+
+
+def generate_payload(
+    input_ids: list[int], params: SamplingParams, *, rid: str, logprob_start_len: int, stream: bool
+) -> dict[str, Any]:
+    """The ``/generate`` body. ``logprob_start_len`` is -1 unless input logprobs are owed."""
+    return {
+        "input_ids": [int(t) for t in input_ids],
+        "sampling_params": sampling_payload(params),
+        "return_logprob": True,
+        "logprob_start_len": int(logprob_start_len),
+        "rid": rid,
+        "stream": bool(stream),
+    }
+
+
+def _triples(meta: dict, key: str, replica: str) -> list:
+    value = meta.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise EngineBadResponse(f"{replica}: meta_info.{key} is not a list", replica=replica)
+    for entry in value:
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+            raise EngineBadResponse(f"{replica}: malformed meta_info.{key} entry {entry!r}", replica=replica)
+    return value
+
+
+def output_tokens(meta: dict, replica: str) -> tuple[list[int], list[float]]:
+    """Output ids and behaviour logprobs from ``[lp, id, null]`` triples."""
+    triples = _triples(meta, "output_token_logprobs", replica)
+    try:
+        ids = [int(t[1]) for t in triples]
+    except (TypeError, ValueError):
+        raise EngineBadResponse(f"{replica}: non-integer token id in output_token_logprobs", replica=replica) from None
+    return ids, [clean_logprob(t[0]) for t in triples]
+
+
+def input_logprobs(meta: dict, input_ids: list[int], start: int, replica: str) -> list[float | None]:
+    """Input logprobs for absolute positions ``start..``; the first (null) entry stays None.
+
+    Each entry's token id is checked against ``input_ids`` at its absolute position, so an
+    off-by-one between request and reply is an error, never a silently misplaced value.
+    """
+    triples = _triples(meta, "input_token_logprobs", replica)
+    if start < 0 or not triples:
+        return []
+    if start + len(triples) > len(input_ids):
+        raise EngineBadResponse(
+            f"{replica}: {len(triples)} input logprobs from position {start} exceed the prompt ({len(input_ids)})",
+            replica=replica,
+        )
+    out: list[float | None] = []
+    for j, (lp, tid, *_rest) in enumerate(triples):
+        if isinstance(tid, int) and tid != input_ids[start + j]:
+            raise EngineBadResponse(
+                f"{replica}: input logprob {j} is for token {tid}, expected {input_ids[start + j]} at position {start + j}",
+                replica=replica,
+            )
+        out.append(None if (j == 0 and lp is None) else clean_logprob(lp))
+    return out
+
+
+def _spans(meta: dict) -> tuple[tuple[int, int, str], ...]:
+    raw = meta.get("weight_versions")
+    if not isinstance(raw, list):
+        return ()
+    try:
+        return tuple((int(s["start"]), int(s["end"]), str(s["version"])) for s in raw)
+    except (KeyError, TypeError, ValueError):
+        return ()
+
+
+def parse_response(body: Any, input_ids: list[int], logprob_start_len: int, replica: str) -> Segment:
+    """A final ``/generate`` reply (or last stream frame) as a ``Segment``."""
+    body = expect_dict(body, replica, "/generate")
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise EngineBadResponse(f"{replica}: /generate reply has no meta_info", replica=replica)
+    ids, lps = output_tokens(meta, replica)
+    wire_ids = body.get("output_ids")
+    if isinstance(wire_ids, list) and wire_ids and wire_ids != ids:
+        raise EngineBadResponse(f"{replica}: output_ids disagree with output_token_logprobs", replica=replica)
+    fr = meta.get("finish_reason")
+    if not isinstance(fr, dict) or fr.get("type") not in _FINISH:
+        raise EngineBadResponse(f"{replica}: missing or unknown finish_reason {fr!r}", replica=replica)
+    matched = fr.get("matched")
+    if not isinstance(matched, (int, str)) or isinstance(matched, bool):
+        matched = None
+    wv = meta.get("weight_version")
+    return Segment(
+        output_ids=ids,
+        logprobs=lps,
+        finish_reason=_FINISH[fr["type"]],
+        matched_stop=matched,
+        input_logprobs=input_logprobs(meta, input_ids, logprob_start_len, replica),
+        input_logprobs_start=max(logprob_start_len, 0),
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+        weight_version=None if wv is None else str(wv),
+        weight_version_spans=_spans(meta),
+    )
+
+
+class SGLangClient:
+    """One SGLang replica (or an ``sgl-router`` in front of several)."""
+
+    kind = "sglang"
+
+    def __init__(self, client: httpx.AsyncClient, url: str, *, timeout_s: float = 600.0, admin_timeout_s: float = 60.0):
+        self.http = Http(client, url)
+        self.url = self.http.url
+        self.timeout_s = timeout_s
+        self.admin_timeout_s = admin_timeout_s
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str,
+        input_logprobs_from: int | None = None,
+        on_tokens: TokensCallback | None = None,
+    ) -> Segment:
+        start = -1 if input_logprobs_from is None else max(input_logprobs_from - 1, 0)
+        payload = generate_payload(input_ids, params, rid=rid, logprob_start_len=start, stream=on_tokens is not None)
+        try:
+            if on_tokens is None:
+                body = await self.http.request("POST", "/generate", body=payload, timeout=self.timeout_s)
+                return parse_response(body, input_ids, start, self.url)
+            return await self._stream(payload, input_ids, start, on_tokens)
+        except (EngineUnavailable, EngineRejected):
+            raise  # the request is not running on the engine
+        except BaseException:
+            # Cancelled (the agent went away), timed out, or the stream consumer failed: the
+            # engine may still be generating for nobody.
+            await self._abort_quietly(rid)
+            raise
+
+    async def _stream(self, payload: dict, input_ids: list[int], start: int, on_tokens: TokensCallback) -> Segment:
+        emitted = 0
+        last: dict | None = None
+        seen_input: list | None = None
+        async with self.http.stream("/generate", payload, timeout=self.timeout_s) as resp:
+            async for frame in self.http.sse(resp, "/generate"):
+                meta = frame.get("meta_info")
+                if not isinstance(meta, dict):
+                    raise EngineBadResponse(f"{self.url}: stream frame without meta_info", replica=self.url)
+                if meta.get("input_token_logprobs"):
+                    seen_input = meta["input_token_logprobs"]
+                ids, lps = output_tokens(meta, self.url)  # cumulative (SGLang's default)
+                if len(ids) > emitted:
+                    await on_tokens(ids[emitted:], lps[emitted:])
+                    emitted = len(ids)
+                last = frame
+        if last is None:
+            raise EngineBadResponse(f"{self.url}: empty /generate stream", replica=self.url)
+        if seen_input is not None and not last["meta_info"].get("input_token_logprobs"):
+            last["meta_info"]["input_token_logprobs"] = seen_input
+        return parse_response(last, input_ids, start, self.url)
+
+    async def prefill(self, input_ids: list[int], start: int) -> tuple[list[float], str | None]:
+        if not 1 <= start <= len(input_ids):
+            raise ValueError(f"prefill start must be in [1, {len(input_ids)}], got {start}")
+        params = SamplingParams(max_new_tokens=0)
+        rid = f"splice-prefill-{uuid.uuid4().hex}"
+        seg = await self.generate(input_ids, params, rid=rid, input_logprobs_from=start)
+        return prefill_values(seg, input_ids, start, self.url), seg.weight_version
+
+    async def abort(self, rid: str) -> None:
+        await self.http.request("POST", "/abort_request", body={"rid": rid}, timeout=5.0, allow_empty=True)
+
+    async def _abort_quietly(self, rid: str) -> None:
+        """Tell the engine to drop ``rid`` (the caller went away); never raises, never blocks long."""
+        task = asyncio.ensure_future(self.abort(rid))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=5.0)
+        except BaseException:  # noqa: BLE001 - best effort, the original error wins
+            pass
+
+    # -- admin ----------------------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        await self.http.request("POST", "/pause_generation", body={"mode": "abort"}, timeout=self.admin_timeout_s, allow_empty=True)
+
+    async def resume(self) -> None:
+        await self.http.request("POST", "/continue_generation", body={}, timeout=self.admin_timeout_s, allow_empty=True)
+
+    async def update_weights(self, model_path: str, version: int) -> None:
+        body = await self.http.request(
+            "POST",
+            "/update_weights_from_disk",
+            body={"model_path": model_path, "weight_version": str(version), "flush_cache": True},
+            timeout=self.timeout_s,
+        )
+        body = expect_dict(body, self.url, "/update_weights_from_disk")
+        if body.get("success") is not True:
+            raise EngineRejected(
+                f"{self.url}: update_weights_from_disk({model_path!r}) failed: {body.get('message', body)}",
+                replica=self.url,
+            )
+
+    async def weight_version(self) -> str | None:
+        try:
+            body = await self.http.request("GET", "/model_info", timeout=self.admin_timeout_s)
+        except EngineRejected:  # releases before /model_info only have /get_model_info
+            body = await self.http.request("GET", "/get_model_info", timeout=self.admin_timeout_s)
+        wv = expect_dict(body, self.url, "/model_info").get("weight_version")
+        return None if wv is None else str(wv)
+
+    async def health(self) -> bool:
+        try:
+            await self.http.request("GET", "/health", timeout=5.0, allow_empty=True)
+        except EngineError:
+            return False
+        return True
+
