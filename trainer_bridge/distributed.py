@@ -1,0 +1,81 @@
+"""torch.distributed plumbing for running the trainer under ``torchrun``.
+
+Rank 0 is the only rank that talks to the proxies: it pulls, then broadcasts the samples to every
+rank; each rank trains on its shard and DDP all-reduces the gradients; rank 0 saves, publishes
+and acks. Without ``WORLD_SIZE > 1`` everything here degrades to single-process no-ops.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(preference: str = "auto", local_rank: int = 0) -> torch.device:
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def setup(device_preference: str = "auto", timeout_s: float = 3600.0) -> Dist:
+    """Init the process group when launched by torchrun with several processes (nccl on CUDA, gloo on CPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_preference, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not torch_dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        # generous timeout: rank 0 may long-poll the proxy while the others wait in a broadcast
+        torch_dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def teardown(dist: Dist) -> None:
+    if dist.enabled and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def broadcast(dist: Dist, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (a picklable Python object)."""
+    if not dist.enabled:
+        return obj
+    box = [obj if dist.is_main else None]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(dist: Dist, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not dist.enabled:
+        return [obj]
+    out: list[Any] = [None] * dist.world_size
+    torch_dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(dist: Dist) -> None:
+    if dist.enabled:
+        torch_dist.barrier()

@@ -1,0 +1,124 @@
+"""The policy: a transformers causal LM whose forward returns per-token log-probs, not logits.
+
+``Policy.forward`` runs the decoder body to get final hidden states, then applies the LM head in
+chunks (``logprobs.py``), so a full ``[tokens, vocab]`` logits tensor never exists. Being an
+``nn.Module`` whose forward does the whole computation, it can be wrapped in DDP as is.
+
+The model stays in eval mode: dropout would make the proximal pass and the first training pass
+differ, and the PPO ratio on the first minibatch must be exactly 1. Gradients work regardless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .logprobs import token_logprobs_and_entropy
+
+# Tokenizer files the engines need next to the weights.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class Policy(nn.Module):
+    def __init__(self, model: nn.Module, *, temperature: float = 1.0, chunk_size: int = 1024):
+        super().__init__()
+        self.model = model
+        self.temperature = temperature
+        self.chunk_size = chunk_size
+        cfg = getattr(model, "config", None)
+        for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            value = getattr(cfg, attr, None)
+            if value not in (None, 1, 1.0):
+                raise NotImplementedError(f"models with config.{attr}={value} are not supported yet")
+        self.model.eval()
+
+    @property
+    def body(self) -> nn.Module:
+        return self.model.base_model
+
+    @property
+    def head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def train(self, mode: bool = True) -> "Policy":  # noqa: D401 - keep eval mode, see module docstring
+        return super().train(False)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprobs, entropy)`` in token coordinates, float32, shaped like ``input_ids``."""
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if input_ids.device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            hidden = self.body(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
+        head = self.head
+        with torch.autocast(input_ids.device.type, enabled=False):  # log-probs always in float32
+            return token_logprobs_and_entropy(
+                hidden,
+                input_ids,
+                head.weight,
+                head.bias,
+                temperature=self.temperature,
+                chunk_size=self.chunk_size,
+            )
+
+
+def load_causal_lm(model_dir: str, *, dtype: str = "float32", gradient_checkpointing: bool = False) -> nn.Module:
+    """Load a local HF causal LM directory (no hub access)."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch_dtype, local_files_only=True)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def save_hf_dir(model: nn.Module, src_dir: str | None, out_dir: str | Path, *, dtype: str | None = None) -> Path:
+    """Write ``model`` as a safetensors HF directory plus the tokenizer files from ``src_dir``.
+
+    Written to a temporary sibling and renamed, so an engine never loads a half-written directory.
+    """
+    out = Path(out_dir).absolute()
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state_dict = None
+    if dtype is not None:
+        target = getattr(torch, dtype)
+        state_dict = {k: (v.to(target) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    kwargs = {"state_dict": state_dict} if state_dict is not None else {}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["safe_serialization"] = True  # transformers 4.x; 5.x always writes safetensors
+    model.save_pretrained(tmp, **kwargs)
+    if src_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(src_dir) / name
+            if src.is_file() and not (tmp / name).exists():
+                shutil.copy2(src, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
