@@ -1,0 +1,134 @@
+"""The causal LM behind the reference engine: load, prefill, decode one token, swap weights.
+
+Only the worker thread calls into this (torch work never runs on the event loop). Logits are
+computed from the final hidden states in small chunks, so scoring a long prompt never
+materialises a ``[L, vocab]`` matrix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+PREFILL_CHUNK = 512  # prompt tokens per forward pass (bounds attention memory)
+LOGITS_CHUNK = 64  # positions per lm_head call (64 x 151936 floats = 39 MB)
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except AttributeError:  # pragma: no cover - older transformers
+        pass
+
+
+class LanguageModel:
+    """A float32 transformers causal LM plus its tokenizer and stop (EOS) token ids."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        _quiet_transformers()
+        self.model_dir = str(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.config = self.model.config
+        self.vocab_size = int(self.config.vocab_size)
+        self.context_len = int(getattr(self.config, "max_position_embeddings", 0) or 32768)
+        self.eos_ids = self._eos_ids()
+        self._base = self.model.base_model
+        self._head = self.model.get_output_embeddings()
+
+    def _eos_ids(self) -> frozenset[int]:
+        """EOS ids from the model config, its generation config and the tokenizer, like SGLang."""
+        ids: set[int] = set()
+        sources = [getattr(self.config, "eos_token_id", None), self.tokenizer.eos_token_id]
+        gen = getattr(self.model, "generation_config", None)
+        if gen is not None:
+            sources.append(getattr(gen, "eos_token_id", None))
+        for src in sources:
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(x) for x in src)
+        return frozenset(ids)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], cache, *, keep_from: int) -> torch.Tensor:
+        """Run ``ids`` through the model into ``cache``; return final hidden states of positions ``keep_from..``."""
+        kept = []
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[start : start + PREFILL_CHUNK]
+            out = self._base(input_ids=torch.tensor([chunk]), past_key_values=cache, use_cache=True)
+            end = start + len(chunk)
+            if end > keep_from:
+                kept.append(out.last_hidden_state[0, max(keep_from - start, 0) :])
+        return torch.cat(kept, dim=0)
+
+    @torch.inference_mode()
+    def step(self, token: int, cache) -> torch.Tensor:
+        """Feed one token; return the logits for the next position (1-D, float32)."""
+        out = self._base(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        return self._head(out.last_hidden_state[0, -1]).float()
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor):
+        """Yield ``(offset, logits)`` for chunks of rows of ``hidden`` (``[n, d]``)."""
+        for start in range(0, hidden.shape[0], LOGITS_CHUNK):
+            yield start, self._head(hidden[start : start + LOGITS_CHUNK]).float()
+
+    def load_weights(self, model_dir: str | os.PathLike) -> None:
+        """Replace the weights with the safetensors in ``model_dir``; all-or-nothing.
+
+        Raises ValueError (nothing changed) when the dir has no weights, a tensor is missing,
+        unexpected, or of a different shape.
+        """
+        from safetensors.torch import load_file
+
+        folder = Path(model_dir)
+        if not folder.is_dir():
+            raise ValueError(f"model path {str(model_dir)!r} is not a directory")
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors files in {str(model_dir)!r}")
+        loaded: dict[str, torch.Tensor] = {}
+        for f in files:
+            loaded.update(load_file(str(f)))
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers()))
+        tied = self._tied_names()
+        unexpected = sorted(k for k in loaded if k not in params)
+        if unexpected:
+            raise ValueError(f"unexpected tensors in checkpoint: {unexpected[:5]}")
+        missing = sorted(k for k, v in self.model.named_parameters() if k not in loaded and k not in tied)
+        if missing:
+            raise ValueError(f"tensors missing from checkpoint: {missing[:5]}")
+        for k, t in loaded.items():
+            if tuple(t.shape) != tuple(params[k].shape):
+                raise ValueError(f"shape mismatch for {k}: checkpoint {tuple(t.shape)} vs model {tuple(params[k].shape)}")
+        with torch.no_grad():
+            for k, t in loaded.items():
+                params[k].copy_(t.to(params[k].dtype))
+        self.model_dir = str(model_dir)
+
+    def _tied_names(self) -> set[str]:
+        """Parameter names that share storage with another one (e.g. a tied lm_head)."""
+        seen: dict[int, str] = {}
+        tied: set[str] = set()
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            ptr = p.data_ptr()
+            if ptr in seen:
+                tied.add(name)
+            else:
+                seen[ptr] = name
+        return tied
