@@ -1,0 +1,348 @@
+"""OpenAI Chat Completions front end: ``POST /v1/chat/completions``.
+
+Messages become Splice ``Message``s (assistant ``reasoning_content``/``reasoning`` kept,
+``tool_calls`` kept with their ids, tool messages keyed by ``tool_call_id``). The reply's
+``message.reasoning_content`` carries the reasoning (the vLLM / SGLang extension); tool
+calls get ids ``call_{turn}_{k}`` so the next request names the turn it continues.
+Streaming sends ``chat.completion.chunk``s: role, reasoning and content deltas as the engine
+produces tokens, tool calls when the turn is parsed, the finish chunk, an optional usage
+chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response as HTTPResponse
+
+from proxy.errors import bad_request
+from proxy.ids import call_id, chat_completion_id
+from proxy.responses_api import (
+    _text_of,
+    assign_turn_id,
+    check_tool_choice,
+    convert_tools,
+    count_reasoning_tokens,
+    name_tool_messages,
+    parent_hint,
+    starts_in_reasoning,
+    stop_ids_of,
+    token_logprobs,
+)
+from proxy.schemas import ChatCompletionRequest, parse_json_body, session_fields, validate
+from proxy.sse import DONE, TurnStream, dumps, run_turn, sse_data, streaming_response, to_api_error
+from proxy.turn_types import TurnRequest, TurnResult
+from tokenization.conversation import Message, ToolCall
+from tokenization.incremental import CONTENT, REASONING, IncrementalDecoder, StrippedText
+
+log = logging.getLogger("splice.chat")
+
+# ============================================================================ input conversion
+
+
+def _tool_calls_of(raw: Any, where: str) -> tuple[ToolCall, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise bad_request(f"{where} must be a list", code="invalid_value", param=where)
+    calls: list[ToolCall] = []
+    for k, tc in enumerate(raw):
+        w = f"{where}[{k}]"
+        if not isinstance(tc, dict):
+            raise bad_request(f"{w} must be an object", code="invalid_value", param=w)
+        typ = tc.get("type", "function")
+        if typ != "function":
+            raise bad_request(f"{w} has type {typ!r}; only function tool calls are supported", code="unsupported_tool", param=w)
+        fn = tc.get("function")
+        if not isinstance(fn, dict):
+            raise bad_request(f"{w} needs a 'function' object", code="missing_required_parameter", param=f"{w}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"{w}.function needs a 'name'", code="missing_required_parameter", param=f"{w}.function.name")
+        args = fn.get("arguments", "")
+        if args is None:
+            args = ""
+        if not isinstance(args, str):
+            args = orjson.dumps(args).decode()
+        cid = tc.get("id")
+        if not isinstance(cid, str) or not cid:
+            raise bad_request(f"{w} needs an 'id'", code="missing_required_parameter", param=f"{w}.id")
+        calls.append(ToolCall(id=cid, name=name, arguments=args))
+    return tuple(calls)
+
+
+def messages_to_conversation(messages: list[dict[str, Any]]) -> tuple[list[Message], list[str]]:
+    """Chat messages -> ``Message``s; also the tool-call ids they carry, in order."""
+    out: list[Message] = []
+    ids: list[str] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object", code="invalid_value", param=where)
+        role = m.get("role")
+        if role in ("system", "developer", "user"):
+            if "content" not in m or m.get("content") is None:
+                raise bad_request(f"{where} ({role}) needs 'content'", code="missing_required_parameter", param=f"{where}.content")
+            out.append(Message(role=role, content=_text_of(m.get("content"), f"{where}.content", allow_refusal=False)))
+        elif role == "assistant":
+            calls = _tool_calls_of(m.get("tool_calls"), f"{where}.tool_calls")
+            if m.get("function_call") is not None:
+                raise bad_request(f"{where}.function_call is deprecated and not supported; use tool_calls", code="unsupported_parameter", param=f"{where}.function_call")
+            reasoning = m.get("reasoning_content")
+            if reasoning is None:
+                reasoning = m.get("reasoning")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise bad_request(f"{where}.reasoning_content must be a string", code="invalid_value", param=f"{where}.reasoning_content")
+            content = _text_of(m.get("content"), f"{where}.content")
+            ids.extend(tc.id for tc in calls)
+            out.append(Message(role="assistant", content=content, reasoning=reasoning or None, tool_calls=calls))
+        elif role == "tool":
+            tcid = m.get("tool_call_id")
+            if not isinstance(tcid, str) or not tcid:
+                raise bad_request(f"{where} (tool) needs a 'tool_call_id'", code="missing_required_parameter", param=f"{where}.tool_call_id")
+            name = m.get("name") if isinstance(m.get("name"), str) else None
+            ids.append(tcid)
+            out.append(Message(role="tool", content=_text_of(m.get("content"), f"{where}.content"), tool_call_id=tcid, name=name))
+        elif role == "function":
+            raise bad_request(f"{where}: the deprecated 'function' role is not supported; use 'tool'", code="unsupported_value", param=f"{where}.role")
+        else:
+            raise bad_request(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}", code="invalid_value", param=f"{where}.role")
+    return name_tool_messages(out), ids
+
+
+# ============================================================================ request -> turn
+
+
+@dataclass
+class ChatContext:
+    req: ChatCompletionRequest
+    turn: TurnRequest
+    turn_id: str
+    created: int
+    model: str
+
+
+def build_chat_context(body: dict[str, Any], headers, runner) -> ChatContext:
+    req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+    req.check_supported()
+    tools, _ = convert_tools(req.tools)
+    check_tool_choice(req.tool_choice, tools)
+    messages, ids = messages_to_conversation(req.messages)
+    session_id, group_id, group_size = session_fields(headers, req.metadata)
+    model = req.model or getattr(runner, "model_name", "") or ""
+    treq = TurnRequest(
+        api="chat",
+        messages=messages,
+        tools=tools,
+        model=model,
+        session_id=session_id,
+        group_id=group_id,
+        group_size=group_size,
+        parent_hint=parent_hint(ids),
+        max_output_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=req.stop_list,
+        chat_template_kwargs=req.chat_template_kwargs,
+        metadata=dict(req.metadata or {}),
+    )
+    tid = assign_turn_id(treq)
+    return ChatContext(req=req, turn=treq, turn_id=tid, created=int(time.time()), model=model)
+
+
+# ============================================================================ output
+
+
+def finish_reason_of(result: TurnResult) -> str:
+    if result.finish_reason == "length":
+        return "length"
+    if result.parsed.tool_calls:
+        return "tool_calls"
+    return "stop"
+
+
+def chat_usage(result: TurnResult, reasoning_tokens: int) -> dict[str, Any]:
+    gen = result.generation
+    n_in = len(result.prompt_ids) or gen.prompt_tokens
+    n_out = len(gen.output_ids)
+    return {
+        "prompt_tokens": n_in,
+        "completion_tokens": n_out,
+        "total_tokens": n_in + n_out,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+    }
+
+
+def splice_info(result: TurnResult) -> dict[str, Any]:
+    return {
+        "session_id": result.session_id,
+        "turn_id": result.turn_id,
+        "spliced": result.spliced,
+        "fork_reason": result.fork_reason,
+        "finish_reason": result.finish_reason,
+        "malformed_tool_calls": len(result.parsed.malformed_calls),
+    }
+
+
+def tool_call_dicts(turn_id: str, result: TurnResult) -> list[dict[str, Any]]:
+    return [
+        {"id": call_id(turn_id, k), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for k, c in enumerate(result.parsed.tool_calls)
+    ]
+
+
+def _logprobs_block(runner, ctx: ChatContext, result: TurnResult) -> dict[str, Any] | None:
+    if not ctx.req.logprobs or getattr(runner, "tokenizer", None) is None:
+        return None
+    return {"content": token_logprobs(runner.tokenizer, result), "refusal": None}
+
+
+def _reasoning_tokens(runner, result: TurnResult) -> int:
+    return count_reasoning_tokens(
+        getattr(runner, "tokenizer", None),
+        result.generation.output_ids,
+        start_in_reasoning=starts_in_reasoning(runner),
+        stop_ids=stop_ids_of(runner) if getattr(runner, "tokenizer", None) is not None else None,
+    )
+
+
+def completion_body(ctx: ChatContext, runner, result: TurnResult) -> dict[str, Any]:
+    tid = result.turn_id
+    p = result.parsed
+    calls = tool_call_dicts(tid, result)
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": p.content if (p.content or not calls) else None,
+        "reasoning_content": p.reasoning,
+        "refusal": None,
+        "annotations": [],
+    }
+    if calls:
+        message["tool_calls"] = calls
+    return {
+        "id": chat_completion_id(tid),
+        "object": "chat.completion",
+        "created": ctx.created,
+        "model": result.model or ctx.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": _logprobs_block(runner, ctx, result),
+                "finish_reason": finish_reason_of(result),
+            }
+        ],
+        "usage": chat_usage(result, _reasoning_tokens(runner, result)),
+        "service_tier": "default",
+        "system_fingerprint": None,
+        "splice": splice_info(result),
+    }
+
+
+# ============================================================================ streaming
+
+
+class ChunkWriter:
+    def __init__(self, ctx: ChatContext, include_usage: bool):
+        self.base = {
+            "id": chat_completion_id(ctx.turn_id),
+            "object": "chat.completion.chunk",
+            "created": ctx.created,
+            "model": ctx.model,
+            "system_fingerprint": None,
+        }
+        self.include_usage = include_usage
+        self.reasoning = StrippedText()
+        self.content = StrippedText()
+
+    def chunk(self, delta: dict[str, Any], *, finish_reason: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
+        data = dict(self.base)
+        data["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        if self.include_usage:
+            data["usage"] = None
+        data.update(extra)
+        return sse_data(data)
+
+    def role(self) -> bytes:
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def text(self, channel: str, text: str) -> bytes | None:
+        if channel == REASONING:
+            d = self.reasoning.push(text)
+            return self.chunk({"reasoning_content": d}) if d else None
+        if channel == CONTENT:
+            d = self.content.push(text)
+            return self.chunk({"content": d}) if d else None
+        return None
+
+
+async def stream_chat(ctx: ChatContext, runner, stream: TurnStream) -> AsyncIterator[bytes]:
+    opts = ctx.req.stream_options
+    w = ChunkWriter(ctx, bool(opts and opts.include_usage))
+    tok = runner.tokenizer
+    dec = IncrementalDecoder(tok, start_in_reasoning=starts_in_reasoning(runner), stop_ids=stop_ids_of(runner))
+    try:
+        yield w.role()
+        async for batch in stream.batches():
+            frames = [f for ch, t in dec.feed(batch) if (f := w.text(ch, t)) is not None]
+            if frames:
+                yield b"".join(frames)
+        frames = [f for ch, t in dec.finish() if (f := w.text(ch, t)) is not None]
+        result = stream.result()
+        if result.turn_id != ctx.turn_id:
+            log.warning("session layer assigned turn id %s instead of the requested %s", result.turn_id, ctx.turn_id)
+        p = result.parsed
+        for stream_text, final, key in ((w.reasoning, p.reasoning or "", "reasoning_content"), (w.content, p.content, "content")):
+            rest = stream_text.remainder(final)
+            if rest:
+                frames.append(w.chunk({key: rest}))
+            elif rest is None:
+                log.warning("streamed %s of %s differs from the parsed output", key, ctx.turn_id)
+        for k, c in enumerate(p.tool_calls):
+            cid = call_id(ctx.turn_id, k)
+            frames.append(w.chunk({"tool_calls": [{"index": k, "id": cid, "type": "function", "function": {"name": c.name, "arguments": ""}}]}))
+            frames.append(w.chunk({"tool_calls": [{"index": k, "function": {"arguments": c.arguments}}]}))
+        frames.append(w.chunk({}, finish_reason=finish_reason_of(result), logprobs=_logprobs_block(runner, ctx, result), splice=splice_info(result)))
+        if w.include_usage:
+            usage = dict(w.base, choices=[], usage=chat_usage(result, _reasoning_tokens(runner, result)))
+            frames.append(sse_data(usage))
+        frames.append(DONE)
+        yield b"".join(frames)
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    except Exception as exc:  # noqa: BLE001 - after the stream started, errors go in-band
+        err = to_api_error(exc)
+        log.warning("streamed chat completion %s failed: %s", chat_completion_id(ctx.turn_id), err.message)
+        yield sse_data(err.body()) + DONE
+    finally:
+        stream.cancel()
+
+
+# ============================================================================ router
+
+
+def chat_router(runner) -> APIRouter:
+    """``POST /v1/chat/completions`` over ``runner``."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def post_chat(request: Request):
+        body = parse_json_body(await request.body())
+        ctx = build_chat_context(body, request.headers, runner)
+        if not ctx.req.stream:
+            result = await run_turn(runner, ctx.turn)
+            return HTTPResponse(content=dumps(completion_body(ctx, runner, result)), media_type="application/json")
+        stream = TurnStream(runner, ctx.turn)
+        await stream.start()
+        return streaming_response(stream_chat(ctx, runner, stream))
+
+    return router
+

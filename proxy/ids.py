@@ -1,0 +1,73 @@
+"""Ids Splice issues to clients, all derived from the turn id.
+
+Every id Splice hands out embeds the id of the turn that produced it, so when an agent sends
+an item back (a ``previous_response_id``, a replayed ``function_call`` item, a Chat
+``tool_call_id``) the session layer knows which turn it continues without a lookup:
+
+=====================  ==============================
+``resp_{turn}``        Responses API response
+``msg_{turn}``         output message item
+``rs_{turn}``          reasoning item
+``fc_{turn}_{k}``      function_call item ``k`` (its ``call_id`` is ``call_{turn}_{k}``)
+``call_{turn}_{k}``    tool call id (both APIs)
+``chatcmpl-{turn}``    Chat Completions response
+=====================  ==============================
+
+A turn id is 24 lowercase hex digits.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+TURN_ID_LEN = 24
+
+_TURN = r"[0-9a-f]{24}"
+_ID_RE = re.compile(rf"^(?:(?:resp|msg|rs)_({_TURN})|(?:fc|call)_({_TURN})_\d+|chatcmpl-({_TURN})|({_TURN}))$")
+
+
+def new_turn_id() -> str:
+    """A fresh random turn id (24 lowercase hex digits)."""
+    return secrets.token_hex(TURN_ID_LEN // 2)
+
+
+def response_id(turn_id: str) -> str:
+    return f"resp_{turn_id}"
+
+
+def message_id(turn_id: str) -> str:
+    return f"msg_{turn_id}"
+
+
+def reasoning_id(turn_id: str) -> str:
+    return f"rs_{turn_id}"
+
+
+def function_call_item_id(turn_id: str, k: int) -> str:
+    return f"fc_{turn_id}_{k}"
+
+
+def call_id(turn_id: str, k: int) -> str:
+    return f"call_{turn_id}_{k}"
+
+
+def chat_completion_id(turn_id: str) -> str:
+    return f"chatcmpl-{turn_id}"
+
+
+def turn_id_from(any_id: str | None) -> str | None:
+    """The turn id embedded in a Splice-issued id, or ``None`` for any other string.
+
+    A bare turn id is returned unchanged, so the function is idempotent.
+    """
+    if not any_id or not isinstance(any_id, str):
+        return None
+    m = _ID_RE.match(any_id)
+    if m is None:
+        return None
+    return next(g for g in m.groups() if g is not None)
+
+
+def is_splice_id(any_id: str | None) -> bool:
+    return turn_id_from(any_id) is not None
