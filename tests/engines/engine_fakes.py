@@ -35,6 +35,7 @@ class Step:
     matched: int | str | None = None
     status: int = 200  # non-200: reply with an error instead
     raw: bytes | None = None  # reply with exactly these bytes (malformed-JSON tests)
+    spans: list[dict] | None = None  # SGLang >= 0.5.23 meta_info.weight_versions
 
 
 # -- SGLang --------------------------------------------------------------------------------------
@@ -84,6 +85,7 @@ def sglang_reply(
             "input_token_logprobs": inputs,
             "output_token_logprobs": [[lp, t, None] for t, lp in toks],
             "e2e_latency": 0.01,
+            **({"weight_versions": step.spans} if step.spans is not None else {}),
         },
     }
 
@@ -115,7 +117,7 @@ class FakeSGLang:
 
     @property
     def int_version(self) -> int:
-        return int(self.version)
+        return int(self.version) if self.version.isdigit() else 0
 
     async def _admin(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
