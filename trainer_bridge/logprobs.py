@@ -29,8 +29,8 @@ def _chunk_logprobs_entropy(
     lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():  # entropy is a statistic, never differentiated
-        probs = torch.softmax(logits, dim=-1)
-        entropy = lse - (probs * logits).sum(-1)
+        logp = logits - lse.unsqueeze(-1)  # sum(p * logp), not lse - sum(p * logits): no cancellation
+        entropy = -(logp.exp() * logp).sum(-1)
     return picked - lse, entropy
 
 
@@ -117,11 +117,15 @@ def naive_token_logprobs_and_entropy(
     bias: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference path: materialize all logits at once. Same conventions; for tests and small vocabularies."""
-    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float()) / temperature
+    """Reference path: materialize all logits at once, in ``dtype``. Same conventions, float32 results.
+
+    For tests and small vocabularies; ``dtype=torch.float64`` gives a near-exact reference.
+    """
+    logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)) / temperature
     logp_all = torch.log_softmax(logits[..., :-1, :], dim=-1)
     lp = logp_all.gather(-1, input_ids[..., 1:].unsqueeze(-1)).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
     zero = lp.new_zeros(*input_ids.shape[:-1], 1)
-    return torch.cat([zero, lp], dim=-1), torch.cat([zero, ent.detach()], dim=-1)
+    return torch.cat([zero, lp], dim=-1).float(), torch.cat([zero, ent.detach()], dim=-1).float()
