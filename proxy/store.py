@@ -168,30 +168,44 @@ CREATE TABLE IF NOT EXISTS turns (
     output_ids      BLOB NOT NULL,        -- int32
     logprobs        BLOB NOT NULL,        -- float32
     versions        BLOB NOT NULL,        -- int32 (value, run length) pairs
-    prox_logprobs   BLOB,                 -- NULL: equal to logprobs; see pack_proximal
-    prox_versions   BLOB,                 -- NULL: equal to versions; else runs
-    pending_min     INTEGER,              -- min/max version of tokens still without a proximal value
-    pending_max     INTEGER,
     spliced         INTEGER NOT NULL,
     fork_reason     TEXT,
     finish_reason   TEXT NOT NULL,
     created_at      REAL NOT NULL,
-    sampling        BLOB NOT NULL,        -- orjson of requested_sampling
+    sampling_id     INTEGER NOT NULL,     -- samplings.id: requested_sampling, interned
     drift           INTEGER NOT NULL,
     api             TEXT NOT NULL,
     response_id     TEXT NOT NULL,
     UNIQUE (session_id, idx)
 );
-CREATE INDEX IF NOT EXISTS turns_pending ON turns(pending_max) WHERE pending_max IS NOT NULL;
+
+-- Turn rows are written once; what changes later lives in small side tables, so a recompute
+-- never rewrites (and fragments) the large token rows.
+CREATE TABLE IF NOT EXISTS proximal (
+    id            INTEGER PRIMARY KEY,    -- a replaced row gets a new id: appends pack pages densely
+    turn_seq      INTEGER NOT NULL UNIQUE,
+    prox_logprobs BLOB,                   -- NULL: equal to logprobs; see pack_proximal
+    prox_versions BLOB                    -- NULL: equal to versions; else runs
+);
+CREATE TABLE IF NOT EXISTS pending (     -- turns with tokens still lacking a proximal value
+    turn_seq INTEGER PRIMARY KEY,
+    vmin     INTEGER NOT NULL,            -- min / max version among those tokens
+    vmax     INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS pending_vmax ON pending(vmax);
+CREATE TABLE IF NOT EXISTS samplings (
+    id   INTEGER PRIMARY KEY,
+    json BLOB NOT NULL UNIQUE
+);
 
 CREATE TABLE IF NOT EXISTS item_ids (
-    item_id TEXT PRIMARY KEY,
-    turn_id TEXT NOT NULL
+    item_id  TEXT PRIMARY KEY,
+    turn_seq INTEGER NOT NULL
 ) WITHOUT ROWID;
 
 CREATE TABLE IF NOT EXISTS fingerprints (
-    fp      TEXT PRIMARY KEY,
-    turn_id TEXT NOT NULL
+    fp       TEXT PRIMARY KEY,
+    turn_seq INTEGER NOT NULL
 ) WITHOUT ROWID;
 
 CREATE TABLE IF NOT EXISTS responses (
@@ -209,10 +223,11 @@ CREATE TABLE IF NOT EXISTS responses (
 CREATE INDEX IF NOT EXISTS responses_session ON responses(session_id, seq);
 """
 
-_TURN_COLS = (
-    "seq, turn_id, session_id, idx, parent_turn_id, prompt_base, prompt_base_len, prompt_tail, n_output, "
-    "output_ids, logprobs, versions, prox_logprobs, prox_versions, spliced, fork_reason, finish_reason, "
-    "created_at, sampling, drift, api, response_id"
+_TURN_SELECT = (
+    "SELECT t.seq, t.turn_id, t.session_id, t.idx, t.parent_turn_id, t.prompt_base, t.prompt_base_len, "
+    "t.prompt_tail, t.n_output, t.output_ids, t.logprobs, t.versions, p.prox_logprobs, p.prox_versions, "
+    "t.spliced, t.fork_reason, t.finish_reason, t.created_at, sm.json, t.drift, t.api, t.response_id "
+    "FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq JOIN samplings sm ON sm.id = t.sampling_id "
 )
 _SESSION_COLS = "session_id, group_id, group_size, reward, closed, created_at, metadata, rewarded_at, lease_id, acked"
 
@@ -246,7 +261,14 @@ class _LRU:
 class Store:
     """Sessions, turns, responses and leases in one SQLite file (see the module docstring)."""
 
-    def __init__(self, path: str, *, synchronous: str = "NORMAL", clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        path: str,
+        *,
+        synchronous: str = "NORMAL",
+        page_size: int = 1024,
+        clock: Callable[[], float] = time.time,
+    ):
         if synchronous.upper() not in ("NORMAL", "FULL", "EXTRA"):
             raise ValueError("synchronous must be NORMAL, FULL or EXTRA (OFF would lose committed turns)")
         self.path = path
@@ -254,6 +276,9 @@ class Store:
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
         c = self._conn
+        # Small pages: turn rows are a few KB and SQLite wastes on average half a cell per page;
+        # 1 KiB pages measured ~1 byte/token smaller than 4 KiB. Only applies to a new file.
+        c.execute(f"PRAGMA page_size={int(page_size)}")
         c.execute("PRAGMA journal_mode=WAL")
         c.execute(f"PRAGMA synchronous={synchronous.upper()}")
         c.execute("PRAGMA journal_size_limit=67108864")  # keep the WAL file from growing without bound
@@ -381,8 +406,7 @@ class Store:
         versions = np.asarray(turn.versions, dtype=_I32)
         prox = np.asarray(turn.proximal_logprobs_t, dtype=_F32)
         prox_versions = np.asarray(turn.proximal_versions, dtype=_I32)
-        prox_blob, pv_blob = pack_proximal(logprobs, versions, prox, prox_versions)
-        pending = versions[prox_versions == versions]
+        sampling = orjson.dumps(turn.requested_sampling or {}, option=orjson.OPT_SORT_KEYS)
         with self._tx() as c:
             session = self._get_session(c, turn.session_id)
             if session is None:
@@ -397,8 +421,10 @@ class Store:
                 raise Conflict(f"id {turn.response_id!r} already names another turn")
             base_seq, base_len = self._pick_prompt_base(c, turn, prompt)
             cur = c.execute(
-                f"INSERT INTO turns ({_TURN_COLS.replace('seq, ', '', 1)}, n_prompt, pending_min, pending_max) "
-                "VALUES (" + ",".join("?" * 24) + ")",
+                "INSERT INTO turns (turn_id, session_id, idx, parent_turn_id, prompt_base, prompt_base_len, "
+                "prompt_tail, n_prompt, n_output, output_ids, logprobs, versions, spliced, fork_reason, "
+                "finish_reason, created_at, sampling_id, drift, api, response_id) "
+                "VALUES (" + ",".join("?" * 20) + ")",
                 (
                     turn.turn_id,
                     turn.session_id,
@@ -407,28 +433,50 @@ class Store:
                     base_seq,
                     base_len,
                     prompt[base_len:].tobytes(),
+                    len(prompt),
                     len(out),
                     out.astype(_I32).tobytes(),
                     logprobs.tobytes(),
                     pack_runs(versions),
-                    prox_blob,
-                    pv_blob,
                     int(turn.spliced),
                     turn.fork_reason,
                     turn.finish_reason,
                     turn.created_at,
-                    orjson.dumps(turn.requested_sampling or {}),
+                    self._sampling_id(c, sampling),
                     int(turn.drift),
                     turn.api,
                     turn.response_id,
-                    len(prompt),
-                    int(pending.min()) if pending.size else None,
-                    int(pending.max()) if pending.size else None,
                 ),
             )
             seq = cur.lastrowid
-            c.execute("INSERT INTO item_ids (item_id, turn_id) VALUES (?, ?)", (turn.response_id, turn.turn_id))
+            self._write_proximal(c, seq, logprobs, versions, prox, prox_versions)
+            c.execute("INSERT INTO item_ids (item_id, turn_seq) VALUES (?, ?)", (turn.response_id, seq))
         self._full_ids.put(seq, np.concatenate([prompt, out.astype(_I32)]))
+
+    @staticmethod
+    def _sampling_id(c, blob: bytes) -> int:
+        row = c.execute("SELECT id FROM samplings WHERE json = ?", (blob,)).fetchone()
+        return row[0] if row else c.execute("INSERT INTO samplings (json) VALUES (?)", (blob,)).lastrowid
+
+    @staticmethod
+    def _write_proximal(c, seq: int, logprobs, versions, prox, prox_versions) -> None:
+        """Store what differs from the behaviour arrays, and which versions still lack a value."""
+        prox_blob, pv_blob = pack_proximal(logprobs, versions, prox, prox_versions)
+        if prox_blob is None and pv_blob is None:
+            c.execute("DELETE FROM proximal WHERE turn_seq = ?", (seq,))
+        else:
+            c.execute(
+                "INSERT OR REPLACE INTO proximal (turn_seq, prox_logprobs, prox_versions) VALUES (?, ?, ?)",
+                (seq, prox_blob, pv_blob),
+            )
+        pending = versions[prox_versions == versions]
+        if pending.size:
+            c.execute(
+                "INSERT OR REPLACE INTO pending (turn_seq, vmin, vmax) VALUES (?, ?, ?)",
+                (seq, int(pending.min()), int(pending.max())),
+            )
+        else:
+            c.execute("DELETE FROM pending WHERE turn_seq = ?", (seq,))
 
     def _pick_prompt_base(self, c, turn: TurnRecord, prompt: np.ndarray) -> tuple[int | None, int]:
         """The earlier turn of the session whose prompt+output shares the longest prefix with this prompt."""
@@ -521,14 +569,26 @@ class Store:
             return self._list_turns(self._conn, session_id)
 
     def _list_turns(self, c, session_id: str) -> list[TurnRecord]:
-        rows = c.execute(f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
+        rows = c.execute(_TURN_SELECT + "WHERE t.session_id = ? ORDER BY t.seq", (session_id,)).fetchall()
         prompts = self._decode_prompts([(r[0], r[5], r[6], r[7], r[9]) for r in rows])
         turns = [self._turn(r, prompts[r[0]][0]) for r in rows]
         return sorted(turns, key=lambda t: t.index)
 
+    def list_turn_ids(self, session_id: str) -> list[str]:
+        """The session's turn ids in index order, without decoding any tokens."""
+        with self._lock:
+            rows = self._conn.execute("SELECT turn_id FROM turns WHERE session_id = ? ORDER BY idx", (session_id,))
+            return [r[0] for r in rows]
+
+    def set_drift(self, turn_id: str, drift: bool = True) -> None:
+        """Record, after the fact, whether a full re-render would have produced different ids."""
+        with self._tx() as c:
+            if c.execute("UPDATE turns SET drift = ? WHERE turn_id = ?", (int(drift), turn_id)).rowcount == 0:
+                raise NotFound(f"no turn {turn_id!r}")
+
     def get_turn(self, turn_id: str) -> TurnRecord | None:
         with self._lock:
-            row = self._conn.execute(f"SELECT {_TURN_COLS} FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
+            row = self._conn.execute(_TURN_SELECT + "WHERE t.turn_id = ?", (turn_id,)).fetchone()
             return None if row is None else self._turns_from_rows(self._conn, [row])[0]
 
     def update_proximal(self, turn_id: str, proximal_logprobs_t: list[float], proximal_versions: list[int]) -> None:
@@ -540,74 +600,78 @@ class Store:
             raise ValueError(f"turn {turn_id}: proximal versions must fit in int32")
         prox_versions = np.asarray(proximal_versions, dtype=_I32)
         with self._tx() as c:
-            row = c.execute("SELECT n_output, logprobs, versions FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
+            row = c.execute("SELECT seq, n_output, logprobs, versions FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
             if row is None:
                 raise NotFound(f"no turn {turn_id!r}")
-            n, lp_blob, v_blob = row
+            seq, n, lp_blob, v_blob = row
             if prox.size != n or prox_versions.size != n:
                 raise ValueError(f"turn {turn_id}: expected {n} proximal values, got {prox.size} / {prox_versions.size}")
-            versions = unpack_runs(v_blob)
-            prox_blob, pv_blob = pack_proximal(unpack_f32(lp_blob), versions, prox, prox_versions)
-            pending = versions[prox_versions == versions]
-            c.execute(
-                "UPDATE turns SET prox_logprobs = ?, prox_versions = ?, pending_min = ?, pending_max = ? WHERE turn_id = ?",
-                (
-                    prox_blob,
-                    pv_blob,
-                    int(pending.min()) if pending.size else None,
-                    int(pending.max()) if pending.size else None,
-                    turn_id,
-                ),
-            )
+            self._write_proximal(c, seq, unpack_f32(lp_blob), unpack_runs(v_blob), prox, prox_versions)
 
     def owed_recompute(self, version: int) -> list[TurnRecord]:
         """Turns of not-yet-acked sessions holding tokens of ``version - 1`` with no proximal value yet (R2)."""
-        owed = version - 1
         with self._lock:
-            rows = self._conn.execute(
-                f"SELECT {', '.join('t.' + col.strip() for col in _TURN_COLS.split(','))} FROM turns t "
-                "JOIN sessions s ON s.session_id = t.session_id "
-                "WHERE t.pending_max >= ? AND t.pending_min <= ? AND s.acked = 0 ORDER BY t.seq",
-                (owed, owed),
-            ).fetchall()
-            candidates = []
-            for r in rows:
-                versions = unpack_runs(r[11])
-                _, pv = unpack_proximal(unpack_f32(r[10]), versions, r[12], r[13])
-                if np.any((versions == owed) & (pv == versions)):
-                    candidates.append(r)
-            return self._turns_from_rows(self._conn, candidates)
+            return self._turns_from_rows(self._conn, self._owed_rows(version))
+
+    def owed_turn_count(self, version: int) -> int:
+        """``len(owed_recompute(version))`` without decoding prompts (for status pages)."""
+        with self._lock:
+            return len(self._owed_rows(version))
+
+    def _owed_rows(self, version: int) -> list:
+        owed = version - 1
+        rows = self._conn.execute(
+            _TURN_SELECT + "JOIN pending q ON q.turn_seq = t.seq JOIN sessions s ON s.session_id = t.session_id "
+            "WHERE q.vmax >= ? AND q.vmin <= ? AND s.acked = 0 ORDER BY t.seq",
+            (owed, owed),
+        ).fetchall()
+        result = []
+        for r in rows:  # the columns only bound the versions; check token by token
+            versions = unpack_runs(r[11])
+            pv = versions if r[13] is None else unpack_runs(r[13])
+            if np.any((versions == owed) & (pv == versions)):
+                result.append(r)
+        return result
 
     # ------------------------------------------------------------ ids, fingerprints, responses
+
+    def _turn_seq(self, c, turn_id: str) -> int:
+        row = c.execute("SELECT seq FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no turn {turn_id!r}")
+        return row[0]
+
+    def _turn_by_seq(self, seq: int) -> TurnRecord:
+        row = self._conn.execute(_TURN_SELECT + "WHERE t.seq = ?", (seq,)).fetchone()
+        return self._turns_from_rows(self._conn, [row])[0]
 
     def add_item_ids(self, turn_id: str, ids: list[str]) -> None:
         """Register ids the proxy issued for a turn's output (msg_, rs_, fc_, call_, ...)."""
         with self._tx() as c:
-            if not c.execute("SELECT 1 FROM turns WHERE turn_id = ?", (turn_id,)).fetchone():
-                raise NotFound(f"no turn {turn_id!r}")
+            seq = self._turn_seq(c, turn_id)
             for item_id in ids:
-                row = c.execute("SELECT turn_id FROM item_ids WHERE item_id = ?", (item_id,)).fetchone()
+                row = c.execute("SELECT turn_seq FROM item_ids WHERE item_id = ?", (item_id,)).fetchone()
                 if row is None:
-                    c.execute("INSERT INTO item_ids (item_id, turn_id) VALUES (?, ?)", (item_id, turn_id))
-                elif row[0] != turn_id:
-                    raise Conflict(f"id {item_id!r} already names turn {row[0]!r}")
+                    c.execute("INSERT INTO item_ids (item_id, turn_seq) VALUES (?, ?)", (item_id, seq))
+                elif row[0] != seq:
+                    other = c.execute("SELECT turn_id FROM turns WHERE seq = ?", (row[0],)).fetchone()[0]
+                    raise Conflict(f"id {item_id!r} already names turn {other!r}")
 
     def find_turn_by_item_id(self, item_id: str) -> TurnRecord | None:
         with self._lock:
-            row = self._conn.execute("SELECT turn_id FROM item_ids WHERE item_id = ?", (item_id,)).fetchone()
-            return None if row is None else self.get_turn(row[0])
+            row = self._conn.execute("SELECT turn_seq FROM item_ids WHERE item_id = ?", (item_id,)).fetchone()
+            return None if row is None else self._turn_by_seq(row[0])
 
     def put_fingerprint(self, fp: str, turn_id: str) -> None:
         """Map a message-history hash to the turn it led to; a later turn with the same hash replaces it."""
         with self._tx() as c:
-            if not c.execute("SELECT 1 FROM turns WHERE turn_id = ?", (turn_id,)).fetchone():
-                raise NotFound(f"no turn {turn_id!r}")
-            c.execute("INSERT OR REPLACE INTO fingerprints (fp, turn_id) VALUES (?, ?)", (fp, turn_id))
+            seq = self._turn_seq(c, turn_id)
+            c.execute("INSERT OR REPLACE INTO fingerprints (fp, turn_seq) VALUES (?, ?)", (fp, seq))
 
     def find_turn_by_fingerprint(self, fp: str) -> TurnRecord | None:
         with self._lock:
-            row = self._conn.execute("SELECT turn_id FROM fingerprints WHERE fp = ?", (fp,)).fetchone()
-            return None if row is None else self.get_turn(row[0])
+            row = self._conn.execute("SELECT turn_seq FROM fingerprints WHERE fp = ?", (fp,)).fetchone()
+            return None if row is None else self._turn_by_seq(row[0])
 
     def put_response(self, response_id: str, session_id: str, turn_id: str | None, body: bytes, conversation: bytes) -> None:
         """Store a response (for ``GET /v1/responses/{id}``) and the conversation ``previous_response_id`` expands to.
