@@ -12,6 +12,11 @@ proximal values are stored only where they differ from the behaviour logprob (NU
 recompute); a turn's prompt is stored as "the first N tokens of an earlier turn of the same
 session (its prompt + output) + the new tail", so a session of K spliced turns costs O(total
 tokens), not O(K * context). Stored conversations of responses are delta-encoded likewise.
+Turn rows are written once; recomputed proximal values and the versions still owed one live in
+small side tables, so a recompute does not rewrite and fragment the token rows. Measured
+(tests/store/test_size.py, whole database incl. indexes and id lookups): 8.2 bytes per
+generated token for one 10k-token turn, 9.2 for 20 spliced turns of 500 tokens, 13.5 once
+every token also has a recomputed proximal logprob.
 
 Thread safety: one connection guarded by a lock; every call is a short transaction, so the
 asyncio app calls these methods directly.
@@ -37,7 +42,7 @@ from proxy import pool_ledger
 from proxy.records import SessionRecord, TurnRecord
 from proxy.samples import assemble_samples
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class StoreError(Exception):
@@ -273,6 +278,8 @@ class Store:
             raise ValueError("synchronous must be NORMAL, FULL or EXTRA (OFF would lose committed turns)")
         self.path = path
         self._clock = clock
+        if path != ":memory:" and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
         c = self._conn
@@ -407,6 +414,7 @@ class Store:
         prox = np.asarray(turn.proximal_logprobs_t, dtype=_F32)
         prox_versions = np.asarray(turn.proximal_versions, dtype=_I32)
         sampling = orjson.dumps(turn.requested_sampling or {}, option=orjson.OPT_SORT_KEYS)
+        committed = False
         with self._tx() as c:
             session = self._get_session(c, turn.session_id)
             if session is None:
@@ -451,7 +459,10 @@ class Store:
             seq = cur.lastrowid
             self._write_proximal(c, seq, logprobs, versions, prox, prox_versions)
             c.execute("INSERT INTO item_ids (item_id, turn_seq) VALUES (?, ?)", (turn.response_id, seq))
-        self._full_ids.put(seq, np.concatenate([prompt, out.astype(_I32)]))
+            committed = True
+        if committed:  # only after COMMIT: a rolled-back seq may be reused by another turn
+            with self._lock:
+                self._full_ids.put(seq, np.concatenate([prompt, out.astype(_I32)]))
 
     @staticmethod
     def _sampling_id(c, blob: bytes) -> int:
@@ -707,7 +718,8 @@ class Store:
                 ),
             )
             seq = cur.lastrowid
-        self._convs.put(seq, conv)
+        with self._lock:
+            self._convs.put(seq, conv)
 
     def _conversation(self, c, seq: int) -> bytes:
         hit = self._convs.get(seq)
