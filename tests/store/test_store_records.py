@@ -155,3 +155,35 @@ def test_responses_delta_chain(db_path):
         assert cold.get_response(f"resp_{k}")[1] == convs[k]
     assert cold.stats()["db_bytes"] - empty_bytes < total / 10  # quadratic history stored in ~linear space
     cold.close()
+
+
+def test_concurrent_threads(store, make_turn):
+    """The app calls the store from the event loop and from worker threads at once."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            sid = f"w{w}"
+            store.upsert_session(sid)
+            prompt = [w, w]
+            for k in range(15):
+                t = make_turn(sid, k, prompt, [100 + k, 200 + k])
+                store.add_turn(t)
+                assert store.get_turn(t.turn_id) == t
+                store.put_fingerprint(f"{sid}-{k}", t.turn_id)
+                prompt = t.full_ids + [7]
+            store.set_reward(sid, float(w))
+            store.stats()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    lease, samples = store.pull(100, 10.0)
+    assert len(samples) == 6 and all(len(s["input_ids"]) == 2 + 15 * 3 - 1 for s in samples)
