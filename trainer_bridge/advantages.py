@@ -12,6 +12,7 @@ batch mean (a group of one would always get advantage 0).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +36,11 @@ def group_advantages(
         reward = float(s["reward"])
         if sid in session_reward:
             if not math.isclose(session_reward[sid], reward, rel_tol=0, abs_tol=1e-9):
-                raise ValueError(f"session {sid!r} has samples with different rewards")
+                warnings.warn(
+                    f"session {sid!r} has samples with different rewards "
+                    f"({session_reward[sid]} and {reward}); using the first",
+                    stacklevel=2,
+                )
             continue
         session_reward[sid] = reward
         gid = s.get("group_id")

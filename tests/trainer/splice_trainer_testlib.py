@@ -47,6 +47,7 @@ def make_samples(
     vocab: int = VOCAB,
     min_len: int = 6,
     max_len: int = 24,
+    prefix: str = "s",
 ) -> list[dict[str, Any]]:
     """Pull-API samples: prompt (mask 0) then 1-2 completion segments, token versions up to ``version``.
 
@@ -56,10 +57,10 @@ def make_samples(
     samples = []
     for g in range(n_groups):
         for k in range(group_size):
-            session = f"s{g}-{k}"
+            session = f"{prefix}{g}-{k}"
             reward = float(rng.choice([0.0, 0.5, 1.0]) + k)  # distinct within the group
             for fork in range(2 if k == 0 else 1):
-                samples.append(_sample(rng, f"{session}-{fork}", session, f"g{g}", reward, version, vocab, min_len, max_len))
+                samples.append(_sample(rng, f"{session}-{fork}", session, f"{prefix}g{g}", reward, version, vocab, min_len, max_len))
     return samples
 
 

@@ -37,9 +37,10 @@ def test_ungrouped_sessions_share_a_batch_baseline():
     assert group_advantages(samples, normalize_std=False) == [-2.0, 0.0, 2.0]
 
 
-def test_conflicting_session_rewards_raise():
-    with pytest.raises(ValueError, match="different rewards"):
-        group_advantages([s("a", "g", 1.0), s("a", "g", 0.0)])
+def test_conflicting_session_rewards_warn_and_use_the_first():
+    with pytest.warns(UserWarning, match="different rewards"):
+        adv = group_advantages([s("a", "g", 1.0), s("a", "g", 0.0), s("b", "g", 0.0)], normalize_std=False)
+    assert adv == [0.5, 0.5, -0.5]
 
 
 def test_token_broadcast():
