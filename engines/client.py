@@ -24,14 +24,18 @@ class EngineClient(Protocol):
         rid: str,
         input_logprobs_from: int | None = None,
         on_tokens: TokensCallback | None = None,
+        routing_key: str | None = None,
     ) -> Segment:
         """One engine call. ``input_logprobs_from=k`` asks for log p(x_j | x_<j) for every
         absolute position j >= k (k >= 1), returned in ``Segment.input_logprobs`` indexed from
         ``Segment.input_logprobs_start``; None asks for none (keeps prefix caching intact).
-        Streams when ``on_tokens`` is given. Cancelling the call aborts it on the engine."""
+        Streams when ``on_tokens`` is given. Cancelling the call aborts it on the engine.
+        ``routing_key`` (the session id) keeps a session on one worker behind a router."""
         ...
 
-    async def prefill(self, input_ids: list[int], start: int) -> tuple[list[float], str | None]:
+    async def prefill(
+        self, input_ids: list[int], start: int, *, routing_key: str | None = None
+    ) -> tuple[list[float], str | None]:
         """log p(x_k | x_<k) for k in [start, len(input_ids)) without sampling, plus the
         engine-reported weight version (None when the engine does not report one)."""
         ...

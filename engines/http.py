@@ -106,10 +106,13 @@ class Http:
         body: Any = None,
         timeout: float,
         allow_empty: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         """Send one request and return its decoded JSON body (None for an allowed empty body)."""
         content = orjson.dumps(body) if body is not None else None
-        headers = {"content-type": "application/json"} if content is not None else None
+        headers = dict(headers or {})
+        if content is not None:
+            headers["content-type"] = "application/json"
         try:
             resp = await self.client.request(
                 method, self.url + path, content=content, headers=headers, timeout=_timeout(timeout)
@@ -123,13 +126,15 @@ class Http:
         return decode_json(resp.content, self.url, path)
 
     @asynccontextmanager
-    async def stream(self, path: str, body: Any, *, timeout: float) -> AsyncIterator[httpx.Response]:
+    async def stream(
+        self, path: str, body: Any, *, timeout: float, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[httpx.Response]:
         """POST and yield the open response once its status is known to be 2xx."""
         req = self.client.build_request(
             "POST",
             self.url + path,
             content=orjson.dumps(body),
-            headers={"content-type": "application/json", "accept": "text/event-stream"},
+            headers={**(headers or {}), "content-type": "application/json", "accept": "text/event-stream"},
             timeout=_timeout(timeout),
         )
         try:

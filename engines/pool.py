@@ -207,10 +207,10 @@ class EnginePool:
         return self._candidates(session_id)[0].url
 
     def _candidates(self, session_id: str) -> list[Replica]:
-        """Ring order for the session, usable replicas first (the owner unless it is down)."""
+        """Ring order for the session: usable replicas first (the owner unless it is down), then
+        those believed down (health may be out of date), stale ones last."""
         order = [self._replicas[u] for u in self._ring.preference(session_id)]
-        usable = [r for r in order if r.usable]
-        return usable + [r for r in order if not r.usable]
+        return sorted(order, key=lambda r: (r.stale, not r.healthy))  # stable: keeps ring order
 
     def _note_error(self, replica: Replica, exc: EngineError) -> None:
         if isinstance(exc, EngineUnavailable):
@@ -227,7 +227,7 @@ class EnginePool:
         candidates = self._candidates(session_id)
         last: EngineError | None = None
         for attempt, replica in enumerate(candidates[:2]):
-            if attempt == 1 and not (last is not None and last.retryable and may_retry() and replica.usable):
+            if attempt == 1 and not (last is not None and last.retryable and may_retry() and not replica.stale):
                 break
             replica.in_flight += 1
             try:
@@ -295,7 +295,9 @@ class EnginePool:
                 t0 = time.perf_counter()
 
                 async def call(r: Replica) -> Any:
-                    return await r.client.generate(body_ids, body_params, rid=rid, input_logprobs_from=frm, on_tokens=cb)
+                    return await r.client.generate(
+                        body_ids, body_params, rid=rid, input_logprobs_from=frm, on_tokens=cb, routing_key=session_id
+                    )
 
                 try:
                     if replica is None:  # first segment: pick by session, fail over once
@@ -353,7 +355,7 @@ class EnginePool:
         version = self._version
         ids = list(input_ids)
         _, (values, reported) = await self._call_with_failover(
-            session_id, lambda r: r.client.prefill(ids, start), may_retry=lambda: True
+            session_id, lambda r: r.client.prefill(ids, start, routing_key=session_id), may_retry=lambda: True
         )
         engine_version = parse_version(reported)
         if self._version != version or (engine_version is not None and engine_version != version):

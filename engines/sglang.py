@@ -9,6 +9,7 @@ because that also caps prefix-cache reuse at that position.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from typing import Any
 
@@ -27,6 +28,15 @@ from engines.types import (
 )
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+# sgl-router / smg route requests with the same key to the same worker (prefix-cache affinity).
+ROUTING_HEADER = "X-SMG-Routing-Key"
+
+
+def routing_value(key: str) -> str:
+    """The session id as a header value; ids that are not plain ASCII are sent as a stable hash."""
+    if key.isascii() and key.isprintable() and len(key) <= 256:
+        return key
+    return hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
 
 
 def sampling_payload(params: SamplingParams) -> dict[str, Any]:
@@ -169,14 +179,16 @@ class SGLangClient:
         rid: str,
         input_logprobs_from: int | None = None,
         on_tokens: TokensCallback | None = None,
+        routing_key: str | None = None,
     ) -> Segment:
         start = -1 if input_logprobs_from is None else max(input_logprobs_from - 1, 0)
         payload = generate_payload(input_ids, params, rid=rid, logprob_start_len=start, stream=on_tokens is not None)
+        headers = {ROUTING_HEADER: routing_value(routing_key)} if routing_key else None
         try:
             if on_tokens is None:
-                body = await self.http.request("POST", "/generate", body=payload, timeout=self.timeout_s)
+                body = await self.http.request("POST", "/generate", body=payload, timeout=self.timeout_s, headers=headers)
                 return parse_response(body, input_ids, start, self.url)
-            return await self._stream(payload, input_ids, start, on_tokens)
+            return await self._stream(payload, input_ids, start, on_tokens, headers)
         except (EngineUnavailable, EngineRejected):
             raise  # the request is not running on the engine
         except BaseException:
@@ -185,11 +197,13 @@ class SGLangClient:
             await self._abort_quietly(rid)
             raise
 
-    async def _stream(self, payload: dict, input_ids: list[int], start: int, on_tokens: TokensCallback) -> Segment:
+    async def _stream(
+        self, payload: dict, input_ids: list[int], start: int, on_tokens: TokensCallback, headers: dict[str, str] | None
+    ) -> Segment:
         emitted = 0
         last: dict | None = None
         seen_input: list | None = None
-        async with self.http.stream("/generate", payload, timeout=self.timeout_s) as resp:
+        async with self.http.stream("/generate", payload, timeout=self.timeout_s, headers=headers) as resp:
             async for frame in self.http.sse(resp, "/generate"):
                 meta = frame.get("meta_info")
                 if not isinstance(meta, dict):
@@ -207,12 +221,15 @@ class SGLangClient:
             last["meta_info"]["input_token_logprobs"] = seen_input
         return parse_response(last, input_ids, start, self.url)
 
-    async def prefill(self, input_ids: list[int], start: int) -> tuple[list[float], str | None]:
+    async def prefill(
+        self, input_ids: list[int], start: int, *, routing_key: str | None = None
+    ) -> tuple[list[float], str | None]:
+        """A prefill-only call: ``max_new_tokens: 0``, ``logprob_start_len = start - 1``."""
         if not 1 <= start <= len(input_ids):
             raise ValueError(f"prefill start must be in [1, {len(input_ids)}], got {start}")
         params = SamplingParams(max_new_tokens=0)
         rid = f"splice-prefill-{uuid.uuid4().hex}"
-        seg = await self.generate(input_ids, params, rid=rid, input_logprobs_from=start)
+        seg = await self.generate(input_ids, params, rid=rid, input_logprobs_from=start, routing_key=routing_key)
         return prefill_values(seg, input_ids, start, self.url), seg.weight_version
 
     async def abort(self, rid: str) -> None:

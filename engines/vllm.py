@@ -149,8 +149,10 @@ class VLLMClient:
         rid: str,
         input_logprobs_from: int | None = None,
         on_tokens: TokensCallback | None = None,
+        routing_key: str | None = None,
     ) -> Segment:
-        """One completion call; ``rid`` is unused (closing the connection aborts it on vLLM)."""
+        """One completion call. ``rid`` and ``routing_key`` are unused: closing the connection
+        aborts a request on vLLM, and vLLM has no router convention to honour."""
         echo = input_logprobs_from is not None
         payload = completion_payload(input_ids, params, model=self.model, echo=echo, stream=on_tokens is not None)
         if on_tokens is None:
@@ -201,7 +203,10 @@ class VLLMClient:
         }
         return parse_completion(final, input_ids, echo=echo, replica=self.url)
 
-    async def prefill(self, input_ids: list[int], start: int) -> tuple[list[float], str | None]:
+    async def prefill(
+        self, input_ids: list[int], start: int, *, routing_key: str | None = None
+    ) -> tuple[list[float], str | None]:
+        """A prompt-logprobs call: ``max_tokens: 1``, ``echo: true``; the sampled token is dropped."""
         if not 1 <= start <= len(input_ids):
             raise ValueError(f"prefill start must be in [1, {len(input_ids)}], got {start}")
         seg = await self.generate(input_ids, SamplingParams(max_new_tokens=1), rid="", input_logprobs_from=start)

@@ -102,6 +102,7 @@ class FakeSGLang:
         self.version = version
         self.script: list[Step] = []
         self.requests: list[dict] = []
+        self.headers: list[httpx.Headers] = []
         self.admin: list[tuple[str, dict | None]] = []
         self.prefill_lp: Callable[[int, int, int], float] = default_lp
         self.on_abort: Callable[[], Awaitable[None]] | None = None
@@ -138,6 +139,7 @@ class FakeSGLang:
     async def _generate(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         self.requests.append(body)
+        self.headers.append(request.headers)
         step = self.script.pop(0)
         if step.raw is not None:
             return httpx.Response(step.status, content=step.raw)

@@ -82,6 +82,7 @@ def test_seed_001_timeline_through_the_pool():
     assert [r["input_ids"] for r in reqs] == [SEED_PROMPT, SEED_PROMPT + [100], SEED_PROMPT + [100, 101, 102]]
     assert [r["sampling_params"]["max_new_tokens"] for r in reqs] == [10, 9, 7]
     assert len({r["rid"] for r in reqs}) == 3  # a rid still in flight would be a 400
+    assert {h["x-smg-routing-key"] for h in fake.headers} == {"s1"}  # sticky behind sgl-router too
     paths = [p for p, _ in fake.admin]
     assert paths == [
         "/pause_generation", "/update_weights_from_disk", "/continue_generation",

@@ -196,3 +196,11 @@ def test_admin_calls_are_exact():
         ("/continue_generation", {}),
     ]
     assert version == "7" and healthy is True
+
+
+def test_routing_key_header_is_safe_ascii():
+    from engines.sglang import routing_value
+
+    assert routing_value("session-42") == "session-42"
+    hashed = routing_value("sessión\n1")
+    assert hashed.isascii() and len(hashed) == 32 and hashed == routing_value("sessión\n1")
