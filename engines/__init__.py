@@ -1,0 +1,14 @@
+"""Splice's engine layer: token-in / token-out clients for SGLang and vLLM, and the pool.
+
+- ``engines.pool.EnginePool`` is the only object the proxy needs: routing (consistent hashing
+  of the session id over the replicas, failover along the ring), the policy version, the
+  abort-resume loop (R1) and prefill-only logprobs (R2), pause / resume / weight updates.
+- ``engines.sglang`` / ``engines.vllm`` speak each engine's wire format exactly (SPEC section
+  9); ``engines.resume`` stitches abort-resume segments; ``engines.routing`` is the hash ring;
+  ``engines.http`` maps transport failures to the typed errors of ``engines.types``.
+
+Conventions: every per-token list is in output-token coordinates; engine input logprobs are
+indexed by absolute position; ``-inf`` logprobs are ``-9999.0`` whatever the engine; a chunk
+of tokens is stamped with the engine-reported weight version when it is an integer, else with
+the pool's version when the chunk was requested.
+"""

@@ -291,7 +291,7 @@ class EnginePool:
                 frm = stitch.logprobs_from(sent_version)
                 body_ids = stitch.next_input_ids()
                 body_params = stitch.next_params()
-                rid = f"splice-{session_id}-{uuid.uuid4().hex[:12]}"
+                rid = f"splice-{session_id[:64]}-{uuid.uuid4().hex[:12]}"
                 t0 = time.perf_counter()
 
                 async def call(r: Replica) -> Any:
