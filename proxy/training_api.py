@@ -195,7 +195,7 @@ def training_router(tr: Trainer) -> APIRouter:
     @r.get("/admin/status")
     async def status():
         stats = await asyncio.to_thread(store.stats)
-        owed = await asyncio.to_thread(store.owed_recompute, tr.pool.version)
+        owed = await asyncio.to_thread(store.owed_turn_count, tr.pool.version)
         pool_status = tr.pool.status()
         return ORJSONResponse(
             {
@@ -204,7 +204,7 @@ def training_router(tr: Trainer) -> APIRouter:
                 "inflight": pool_status.get("inflight", 0),
                 "engines": pool_status,
                 "store": _plain(stats),
-                "owed_recompute_turns": len(owed),
+                "owed_recompute_turns": owed,
             }
         )
 

@@ -1,0 +1,109 @@
+"""Real processes over loopback: the reference engine (script mode) behind ``splice serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    from engines.reference.model_init import ensure_model
+
+    return str(ensure_model(tmp_path_factory.mktemp("model") / "tiny"))
+
+
+class Proxy:
+    def __init__(self, url: str, proc: subprocess.Popen, store: str, args: list[str], env: dict):
+        self.url = url
+        self.proc = proc
+        self.store = store
+        self.args = args
+        self.env = env
+
+    def get(self, path: str, **kw):
+        return httpx.get(self.url + path, timeout=60, **kw)
+
+    def post(self, path: str, body=None, **kw):
+        return httpx.post(self.url + path, json=body if body is not None else {}, timeout=120, **kw)
+
+    def stop(self, sig_kill: bool = False) -> None:
+        if self.proc.poll() is None:
+            if sig_kill:
+                # kill -9 the proxy; its engine child is stopped separately by the caller
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_proxy(tmp_path: Path, model_dir: str, *, script: list[str] | None = None, delay_ms: int = 0, extra: list[str] | None = None, store: str | None = None, port: int | None = None) -> Proxy:
+    port = port or free_port()
+    store = store or str(tmp_path / "splice.sqlite")
+    args = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port), "--store", store, "--reference-model", model_dir]
+    if script is not None:
+        sf = tmp_path / f"script-{port}.json"
+        sf.write_text(json.dumps(script))
+        args += ["--reference-script", str(sf), "--reference-script-delay-ms", str(delay_ms)]
+    args += extra or []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(args, cwd=str(tmp_path), env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"splice serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return Proxy(url, proc, store, args, env)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError("splice serve did not become healthy")
+
+
+def kill_tree(proxy: Proxy) -> None:
+    """kill -9 the proxy and its engine child (same process group)."""
+    import signal
+
+    try:
+        os.killpg(proxy.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proxy.proc.wait()
+
+
+@pytest.fixture
+def proxy_factory(tmp_path, model_dir):
+    started: list[Proxy] = []
+
+    def make(**kw) -> Proxy:
+        p = start_proxy(tmp_path, model_dir, **kw)
+        started.append(p)
+        return p
+
+    yield make
+    for p in started:
+        if p.proc.poll() is None:
+            kill_tree(p)
