@@ -497,7 +497,7 @@ def usage_of(result: TurnResult, reasoning_tokens: int) -> dict[str, Any]:
     n_out = len(gen.output_ids)
     return {
         "input_tokens": n_in,
-        "input_tokens_details": {"cached_tokens": gen.cached_tokens},
+        "input_tokens_details": {"cached_tokens": gen.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": n_out,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": n_in + n_out,

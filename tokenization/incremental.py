@@ -292,7 +292,8 @@ def _is_byte_level(tokenizer) -> bool:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
             try:
-                dec = json.loads(backend.to_str()).get("decoder") or {}
+                decoder = backend.decoder
+                dec = json.loads(decoder.__getstate__()) if decoder is not None else {}
                 kinds = [dec.get("type")] + [d.get("type") for d in dec.get("decoders", []) or []]
                 result = "ByteLevel" in kinds
             except Exception:  # noqa: BLE001

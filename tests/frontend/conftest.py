@@ -1,0 +1,207 @@
+"""Fixtures for the front-end tests: a scripted turn runner on the real Qwen3 tokenizer,
+an in-memory response store, and the two routers served by uvicorn on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import pytest
+
+from engines.types import Generation
+from proxy.ids import new_turn_id
+from proxy.turn_types import TurnRequest, TurnResult
+from tokenization.loader import load_tokenizer, make_renderer, qwen3_tokenizer_dir
+from tokenization.parse import parse_output
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return load_tokenizer(str(qwen3_tokenizer_dir()))
+
+
+@pytest.fixture(scope="session")
+def renderer(tok):
+    return make_renderer(tok, "qwen3")
+
+
+class MemoryStore:
+    """The response store interface, in memory."""
+
+    def __init__(self):
+        self.responses: dict[str, tuple[bytes, bytes]] = {}
+        self.meta: dict[str, tuple[str, str]] = {}
+
+    def put_response(self, response_id, session_id, turn_id, body, conversation):
+        self.responses[response_id] = (bytes(body), bytes(conversation))
+        self.meta[response_id] = (session_id, turn_id)
+
+    def get_response(self, response_id):
+        return self.responses.get(response_id)
+
+
+@pytest.fixture
+def mem_store():
+    return MemoryStore()
+
+
+class ScriptedRunner:
+    """A deterministic session layer: replies with scripted assistant texts, token by token.
+
+    Each reply is tokenized with the real tokenizer and handed to ``on_tokens`` ``chunk`` ids
+    at a time; logprobs are made up but distinct per position.
+    """
+
+    def __init__(self, tok, renderer, *, chunk: int = 3, model_name: str = "splice-test"):
+        self.tokenizer = tok
+        self.renderer = renderer
+        self.model_name = model_name
+        self.chunk = chunk
+        self.replies: deque[str | Callable[[TurnRequest], str] | BaseException] = deque()
+        self.default_reply = "OK.<|im_end|>"
+        self.requests: list[TurnRequest] = []
+        self.results: list[TurnResult] = []
+        self.delay = 0.0
+        self.fail_after: int | None = None  # raise after this many streamed ids
+
+    def script(self, *replies) -> "ScriptedRunner":
+        self.replies.extend(replies)
+        return self
+
+    def reset(self) -> None:
+        self.replies.clear()
+        self.requests.clear()
+        self.results.clear()
+        self.chunk = 3
+        self.delay = 0.0
+        self.fail_after = None
+
+    async def run(self, req: TurnRequest, on_tokens=None) -> TurnResult:
+        self.requests.append(req)
+        reply = self.replies.popleft() if self.replies else self.default_reply
+        if isinstance(reply, BaseException):
+            raise reply
+        text = reply(req) if callable(reply) else reply
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        finish = "stop"
+        if req.max_output_tokens is not None and len(ids) > req.max_output_tokens:
+            ids = ids[: req.max_output_tokens]
+            finish = "length"
+        if on_tokens is not None:
+            for i in range(0, len(ids), self.chunk):
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise RuntimeError("engine went away")
+                await on_tokens(ids[i : i + self.chunk])
+                await asyncio.sleep(self.delay)
+        lps = [-0.05 - 0.01 * (i % 17) for i in range(len(ids))]
+        gen = Generation(
+            output_ids=list(ids),
+            logprobs=lps,
+            versions=[0] * len(ids),
+            proximal_logprobs_t=list(lps),
+            proximal_versions=[0] * len(ids),
+            finish_reason=finish,
+            prompt_tokens=17,
+            cached_tokens=5,
+        )
+        parsed = parse_output(self.renderer, ids, finish_reason=finish)
+        turn_id = getattr(req, "turn_id", None) or new_turn_id()
+        result = TurnResult(
+            turn_id=turn_id,
+            session_id=req.session_id or "sess-auto",
+            response_id=("resp_" if req.api == "responses" else "chatcmpl-") + turn_id,
+            prompt_ids=list(range(17)),
+            generation=gen,
+            parsed=parsed,
+            spliced=len(self.results) > 0,
+            fork_reason=None,
+            created_at=time.time(),
+            model=req.model or self.model_name,
+        )
+        self.results.append(result)
+        return result
+
+
+def build_app(runner, store):
+    import orjson
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    from proxy.chat_api import chat_router
+    from proxy.errors import APIError
+    from proxy.responses_api import responses_router
+
+    app = FastAPI()
+    app.include_router(responses_router(runner, store))
+    app.include_router(chat_router(runner))
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return Response(orjson.dumps(e.body()), status_code=e.status, headers=e.headers, media_type="application/json")
+
+    return app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(tok, renderer):
+    import uvicorn
+
+    runner = ScriptedRunner(tok, renderer)
+    store = MemoryStore()
+    app = build_app(runner, store)
+    port = _free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    srv = uvicorn.Server(config)
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.time() + 20
+    while not srv.started:
+        if time.time() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+
+    class Handle:
+        pass
+
+    h = Handle()
+    h.runner, h.store, h.base_url = runner, store, f"http://127.0.0.1:{port}"
+    yield h
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
+@pytest.fixture
+def live(server):
+    server.runner.reset()
+    return server
+
+
+@pytest.fixture
+def client(live):
+    from openai import OpenAI
+
+    c = OpenAI(base_url=live.base_url + "/v1", api_key="test", max_retries=0, timeout=30)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def aclient(live):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=live.base_url + "/v1", api_key="test", max_retries=0, timeout=30)
