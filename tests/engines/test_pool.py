@@ -54,6 +54,7 @@ def test_seed_001_timeline_through_the_pool():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeSGLang(router, A, version="0")
+            fake.cached = 2
             pool = make_pool()
             fake.prefill_lp = lambda v, pos, tok: SEED_TABLE.get((v, pos), -99.0)
             fake.on_abort = pool.pause
@@ -77,6 +78,7 @@ def test_seed_001_timeline_through_the_pool():
     assert gen.proximal_versions == [1, 2, 2, 2]
     assert gen.finish_reason == "stop" and gen.matched_stop == 103
     assert gen.aborts == 2 and gen.segments == 3 and gen.replica == A
+    assert gen.prompt_tokens == P0 and gen.cached_tokens == 2 and gen.engine_time_s > 0
     reqs = fake.requests
     assert [r["logprob_start_len"] for r in reqs] == [-1, P0 - 1, P0 - 1]
     assert [r["input_ids"] for r in reqs] == [SEED_PROMPT, SEED_PROMPT + [100], SEED_PROMPT + [100, 101, 102]]
