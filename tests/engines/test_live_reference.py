@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 # <|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n
 PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
-LONG_REPLY = " ".join(f"word{i}" for i in range(60)) + "<|im_end|>"
+LONG_REPLY = " ".join(f"word{i}" for i in range(30)) + "<|im_end|>"
 
 
 @pytest.fixture(scope="module")
