@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return init_main(rest) or 0
         if cmd == "train":
-            from trainer_bridge.train import main as train_main
+            import importlib  # the trainer is a separate package that talks to the proxy over HTTP
 
-            return train_main(rest) or 0
+            return importlib.import_module("trainer_bridge.train").main(rest) or 0
         if cmd == "demo":
             from .demo import main as demo_main
 
