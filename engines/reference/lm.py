@@ -7,6 +7,7 @@ materialises a ``[L, vocab]`` matrix.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -26,17 +27,34 @@ def _quiet_transformers() -> None:
         pass
 
 
+@functools.lru_cache(maxsize=8)
+def _tokenizer_cached(model_dir: str, stamp: float):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The tokenizer of ``model_dir``, parsed once per process (parsing the 11 MB Qwen3 file takes seconds).
+
+    Shared instances are only used for encode/decode, which are safe across threads.
+    """
+    path = os.path.realpath(model_dir)
+    tj = os.path.join(path, "tokenizer.json")
+    return _tokenizer_cached(path, os.path.getmtime(tj) if os.path.exists(tj) else 0.0)
+
+
 class LanguageModel:
     """A float32 transformers causal LM plus its tokenizer and stop (EOS) token ids."""
 
     def __init__(self, model_dir: str | os.PathLike):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         _quiet_transformers()
         self.model_dir = str(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.model.requires_grad_(False)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.config = self.model.config
         self.vocab_size = int(self.config.vocab_size)
         self.context_len = int(getattr(self.config, "max_position_embeddings", 0) or 32768)

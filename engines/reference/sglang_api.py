@@ -344,6 +344,7 @@ def make_router(state: EngineState) -> APIRouter:
                 "weight_version": state.worker.weight_version,
                 "context_length": state.lm.context_len,
                 "script_mode": state.script_mode,
+                "script_counter": state.worker.script.counter if state.worker.script is not None else None,
                 "paused": state.paused,
                 **state.worker.load(),
             }

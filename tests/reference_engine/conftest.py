@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
+from engines.reference.lm import load_tokenizer
 from engines.reference.model_init import init_model, perturb_model
-from engines.reference.testing import start_engine_in_thread
+from engines.reference.testing import start_engine, start_engine_in_thread
 
 TOKEN_DELAY_S = 0.01  # slow enough that a pause lands mid-generation, fast enough for the suite
 
@@ -16,6 +19,11 @@ SCRIPT = [
     "The answer is 3. STOP here, please.<|im_end|>",
     "A third reply without an end token",
 ]
+
+
+@pytest.fixture(scope="session")
+def script_texts():
+    return list(SCRIPT)
 
 
 @pytest.fixture(scope="session")
@@ -33,10 +41,10 @@ class Oracle:
     """Direct (non-incremental) forward passes of a model dir: the ground truth for logprobs."""
 
     def __init__(self, model_dir):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = load_tokenizer(model_dir)
 
     @torch.inference_mode()
     def logprobs(self, ids: list[int], temperature: float = 1.0) -> list[float | None]:
@@ -51,11 +59,6 @@ class Oracle:
         )
         return list(self.tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
-    def load(self, model_dir) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
 
 @pytest.fixture(scope="session")
 def oracle(model_dir):
@@ -67,7 +70,7 @@ def oracle_v1(perturbed_dir):
     return Oracle(perturbed_dir)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine(model_dir):
     """Base URL of a sampling engine (in a thread of this process), 10 ms per token."""
     url, stop = start_engine_in_thread(model_dir, token_delay_s=TOKEN_DELAY_S, weight_version="0", served_model_name="tiny")
@@ -75,9 +78,27 @@ def engine(model_dir):
     stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def script_engine(model_dir):
     """Base URL of a script-mode engine emitting ``SCRIPT`` at 20 ms per token."""
     url, stop = start_engine_in_thread(model_dir, script=SCRIPT, script_delay_s=0.02)
     yield url
     stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def subprocess_engine(request, model_dir, script_texts):
+    """A ``start_engine`` subprocess, launched at session start so its startup overlaps other tests.
+
+    Yields a future of ``(url, stop)``; None when no test in the session needs it.
+    """
+    if not any("test_subprocess" in item.nodeid for item in request.session.items):
+        yield None
+        return
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(start_engine, model_dir, script=script_texts[:1], weight_version="3", served_model_name="tiny-sub")
+        yield fut
+        try:
+            fut.result()[1]()
+        except Exception:
+            pass  # the test reports start failures

@@ -137,14 +137,15 @@ def test_sglang_stream_frames_are_cumulative(engine):
     frames = read_sse(engine, "/generate", body)
     assert frames[-1] == "[DONE]"
     objs = [orjson.loads(f) for f in frames[:-1]]
-    assert len(objs) == 8
-    for i, o in enumerate(objs):
-        assert len(o["output_ids"]) == i + 1
-        assert len(o["meta_info"]["output_token_logprobs"]) == i + 1
-        if i:
-            assert o["output_ids"][:i] == objs[i - 1]["output_ids"]
-            assert o["text"].startswith(objs[i - 1]["text"])
-        assert (o["meta_info"]["finish_reason"] is None) == (i < 7)
+    # one frame per new token, or fewer when tokens arrive faster than frames are written
+    assert 2 <= len(objs) <= 8 and len(objs[-1]["output_ids"]) == 8
+    for prev, o in zip(objs, objs[1:]):
+        n = len(prev["output_ids"])
+        assert len(o["output_ids"]) > n and o["output_ids"][:n] == prev["output_ids"]
+        assert o["meta_info"]["output_token_logprobs"][:n] == prev["meta_info"]["output_token_logprobs"]
+        assert o["text"].startswith(prev["text"])
+    assert all(len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"]) for o in objs)
+    assert all(o["meta_info"]["finish_reason"] is None for o in objs[:-1])
     assert objs[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
