@@ -45,6 +45,7 @@ from tokenization.incremental import (
     StrippedText,
     default_stop_ids,
     generation_starts_in_reasoning,
+    reasoning_token_count,
     token_bytes,
 )
 
@@ -479,16 +480,7 @@ async def build_context(body: dict[str, Any], headers, runner, store) -> Respons
 
 def count_reasoning_tokens(tokenizer, output_ids: list[int], *, start_in_reasoning: bool = False, stop_ids=None) -> int:
     """Output tokens spent in the initial reasoning region (markers included)."""
-    if not output_ids or tokenizer is None:
-        return 0
-    dec = IncrementalDecoder(tokenizer, start_in_reasoning=start_in_reasoning, stop_ids=stop_ids)
-    if not start_in_reasoning and dec.think_open_id not in output_ids:
-        return 0
-    # only the prefix up to the end of reasoning needs decoding (to check what precedes <think>)
-    ends = {dec.think_close_id, dec.tool_open_id} | dec.stop_ids
-    end = next((i for i, t in enumerate(output_ids) if t in ends), len(output_ids) - 1)
-    dec.feed(output_ids[: end + 1])
-    return dec.token_counts[REASONING]
+    return reasoning_token_count(tokenizer, list(output_ids), start_in_reasoning=start_in_reasoning, stop_ids=stop_ids)
 
 
 def usage_of(result: TurnResult, reasoning_tokens: int) -> dict[str, Any]:

@@ -266,6 +266,43 @@ class StrippedText:
         return None
 
 
+def reasoning_token_count(
+    tokenizer,
+    output_ids: list[int],
+    *,
+    start_in_reasoning: bool = False,
+    stop_ids: Iterable[int] | None = None,
+    think_open: str = "<think>",
+    think_close: str = "</think>",
+    tool_open: str = "<tool_call>",
+) -> int:
+    """Output tokens spent in the initial reasoning region, markers included.
+
+    Same boundaries as ``IncrementalDecoder``, found from ids alone (only the text before a
+    ``<think>`` is decoded, to check it is whitespace).
+    """
+    if not output_ids or tokenizer is None:
+        return 0
+    open_id = _token_id(tokenizer, think_open)
+    close_id = _token_id(tokenizer, think_close)
+    tool_id = _token_id(tokenizer, tool_open)
+    stops = set(stop_ids) if stop_ids is not None else default_stop_ids(tokenizer)
+    n = next((i for i, t in enumerate(output_ids) if t in stops), len(output_ids))
+    if start_in_reasoning:
+        start = 0
+    else:
+        start = next((i for i in range(n) if output_ids[i] == open_id), -1) if open_id is not None else -1
+        if start < 0 or tokenizer.decode(output_ids[:start], skip_special_tokens=False).strip():
+            return 0
+    for i in range(start, n):
+        t = output_ids[i]
+        if t == close_id and close_id is not None:
+            return i - start + 1
+        if t == tool_id and tool_id is not None:
+            return i - start
+    return n - start
+
+
 # -- token bytes (for logprobs) ---------------------------------------------------------------
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -72,6 +72,7 @@ class ScriptedRunner:
         self.results: list[TurnResult] = []
         self.delay = 0.0
         self.fail_after: int | None = None  # raise after this many streamed ids
+        self.cancelled = 0
 
     def script(self, *replies) -> "ScriptedRunner":
         self.replies.extend(replies)
@@ -84,6 +85,7 @@ class ScriptedRunner:
         self.chunk = 3
         self.delay = 0.0
         self.fail_after = None
+        self.cancelled = 0
 
     async def run(self, req: TurnRequest, on_tokens=None) -> TurnResult:
         self.requests.append(req)
@@ -97,11 +99,15 @@ class ScriptedRunner:
             ids = ids[: req.max_output_tokens]
             finish = "length"
         if on_tokens is not None:
-            for i in range(0, len(ids), self.chunk):
-                if self.fail_after is not None and i >= self.fail_after:
-                    raise RuntimeError("engine went away")
-                await on_tokens(ids[i : i + self.chunk])
-                await asyncio.sleep(self.delay)
+            try:
+                for i in range(0, len(ids), self.chunk):
+                    if self.fail_after is not None and i >= self.fail_after:
+                        raise RuntimeError("engine went away")
+                    await on_tokens(ids[i : i + self.chunk])
+                    await asyncio.sleep(self.delay)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
         lps = [-0.05 - 0.01 * (i % 17) for i in range(len(ids))]
         gen = Generation(
             output_ids=list(ids),
@@ -201,7 +207,9 @@ def client(live):
 
 
 @pytest.fixture
-def aclient(live):
+async def aclient(live):
     from openai import AsyncOpenAI
 
-    return AsyncOpenAI(base_url=live.base_url + "/v1", api_key="test", max_retries=0, timeout=30)
+    c = AsyncOpenAI(base_url=live.base_url + "/v1", api_key="test", max_retries=0, timeout=30)
+    yield c
+    await c.close()  # in the test's own event loop

@@ -265,3 +265,49 @@ def test_empty_output_has_an_empty_message(client, live):
     assert _types(r.output) == ["message"] and r.output_text == ""
     events = _collect(client.responses.create(model="m", input="x", stream=True))
     assert _types(events[-1].response.output) == ["message"]
+
+
+def test_client_disconnect_cancels_the_turn(live):
+    import time as _time
+
+    live.runner.script("word " * 400 + "<|im_end|>")
+    live.runner.chunk = 1
+    live.runner.delay = 0.01
+    with httpx.stream("POST", f"{live.base_url}/v1/responses", json={"model": "m", "input": "x", "stream": True}) as r:
+        it = r.iter_lines()
+        seen = 0
+        for line in it:
+            if line.startswith("data:"):
+                seen += 1
+            if seen >= 5:
+                break
+    deadline = _time.time() + 5
+    while not live.runner.cancelled and _time.time() < deadline:
+        _time.sleep(0.02)
+    assert live.runner.cancelled == 1
+    assert not live.runner.results
+
+
+@pytest.mark.anyio
+async def test_agents_sdk_run_streamed_and_chat_model(aclient, live):
+    from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def get_weather(city: str, unit: str = "c") -> str:
+        """Weather for a city."""
+        return f"sunny in {city}"
+
+    for model in (OpenAIResponsesModel("m", aclient), OpenAIChatCompletionsModel("m", aclient)):
+        live.runner.reset()
+        live.runner.script(THINK_CALL, "<think>\nok\n</think>\n\nSunny in Zürich.<|im_end|>")
+        agent = Agent(name="a", instructions="help", tools=[get_weather], model=model)
+        run = Runner.run_streamed(agent, "Weather in Zürich?")
+        raw = [ev.data.type async for ev in run.stream_events() if ev.type == "raw_response_event"]
+        assert run.final_output == "Sunny in Zürich."
+        assert raw
+        second = live.runner.requests[-1]
+        assert [m.role for m in second.messages] == ["system", "user", "assistant", "tool"]
+        assert second.messages[3].content == "sunny in Zürich"
+        assert second.parent_hint == live.runner.results[0].turn_id

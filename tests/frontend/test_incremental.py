@@ -172,3 +172,23 @@ def test_unclosed_tool_call_and_truncated_reasoning(tok, sizes):
     dec = IncrementalDecoder(tok)
     got = _by_channel(_run(dec, ids, sizes))
     assert got == {CONTENT: "ok ", TOOL_CALL: '\n{"name": "f", "argu'}
+
+
+@pytest.mark.parametrize(
+    "text,start,expected_from_decoder",
+    [
+        ("<think>\nab cd\n</think>\n\nhi<|im_end|>", False, True),
+        ("  <think>\nab\n<tool_call>\n{}\n</tool_call><|im_end|>", False, True),
+        ("x <think>\nab\n</think>", False, True),
+        ("ab cd\n</think>\n\nok", True, True),
+        ("<think>\nnever closed", False, True),
+        ("plain text", False, True),
+    ],
+)
+def test_reasoning_token_count_matches_decoder(tok, text, start, expected_from_decoder):
+    from tokenization.incremental import reasoning_token_count
+
+    ids = tok.encode(text, add_special_tokens=False)
+    dec = IncrementalDecoder(tok, start_in_reasoning=start)
+    dec.feed(ids)
+    assert reasoning_token_count(tok, ids, start_in_reasoning=start) == dec.token_counts[REASONING]
