@@ -2,9 +2,10 @@
 
 With Qwen's ~152k vocabulary, ``[tokens, vocab]`` float32 logits are 600 kB per token: 8k
 tokens would be 5 GB, plus as much again kept for backward. Here the LM head is applied to
-``chunk_size`` tokens at a time and, when gradients are needed, each chunk runs under
-``torch.utils.checkpoint`` so backward recomputes that chunk's logits instead of storing them.
-Peak extra memory is a few ``[chunk_size, vocab]`` tensors, independent of sequence length.
+``chunk_size`` tokens at a time by a small autograd function that saves only its inputs and the
+log-normalizer, and recomputes the chunk's logits in backward, turning them in place into the
+gradient ``g * (onehot - softmax)``. Peak extra memory is a few ``[chunk_size, vocab]`` float32
+tensors, independent of sequence length, in forward and backward alike.
 
 Alignment (SPEC section 2): results are in *token coordinates*. ``out[..., i]`` is
 ``log pi(x_i | x_<i)`` computed from the hidden state at position ``i - 1``; ``out[..., 0]`` is 0
@@ -16,22 +17,45 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_logprobs_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, inv_temp: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of ``targets`` and entropy for one chunk of positions (float32 math)."""
-    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
-    if inv_temp != 1.0:
-        logits = logits * inv_temp
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():  # entropy is a statistic, never differentiated
-        logp = logits - lse.unsqueeze(-1)  # sum(p * logp), not lse - sum(p * logits): no cancellation
-        entropy = -(logp.exp() * logp).sum(-1)
-    return picked - lse, entropy
+def _logits(hidden, weight, bias, inv_temp):
+    """One chunk's logits in float32 (float64 if the inputs are), scaled by 1/temperature."""
+    dt = torch.promote_types(hidden.dtype, torch.float32)
+    logits = F.linear(hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
+    return logits.mul_(inv_temp) if inv_temp != 1.0 else logits
+
+
+class _ChunkLogprobs(torch.autograd.Function):
+    """``(log p(target), entropy)`` for one chunk of positions; entropy is not differentiated."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, inv_temp):
+        logits = _logits(hidden, weight, bias, inv_temp)
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.sub_(lse.unsqueeze(-1))  # in place: logits become log-probs
+        picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        # sum(p * logp), not lse - sum(p * logits): no cancellation between two large numbers
+        entropy = -logp.exp().mul_(logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.inv_temp = inv_temp
+        ctx.mark_non_differentiable(entropy)
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, grad_picked, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        g = grad_picked.to(lse.dtype).unsqueeze(-1)
+        # d logp[t] / d logits = onehot(t) - softmax; built in the recomputed logits' buffer
+        grad = _logits(hidden, weight, bias, ctx.inv_temp).sub_(lse.unsqueeze(-1)).exp_().mul_(-g)
+        grad.scatter_add_(-1, targets.unsqueeze(-1), g)
+        if ctx.inv_temp != 1.0:
+            grad.mul_(ctx.inv_temp)
+        dt = grad.dtype
+        grad_hidden = (grad @ weight.to(dt)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.T @ hidden.to(dt)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def _shifted(hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,39 +82,32 @@ def token_logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
-    use_checkpoint: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked ``(logprobs, entropy)`` in token coordinates, both float32, shaped like ``input_ids``.
+    """Chunked ``(logprobs, entropy)`` in token coordinates, float32, shaped like ``input_ids``.
 
     ``hidden``: ``[..., L, H]`` final hidden states; ``weight``: ``[V, H]`` LM head; ``bias``: ``[V]``.
     Logits are divided by ``temperature`` (use the temperature the engine sampled at).
-    ``use_checkpoint`` defaults to "whenever autograd is recording".
-    Entropy is returned detached.
+    Gradients flow into ``hidden``, ``weight`` and ``bias`` through the log-probs; entropy is
+    a detached statistic. (Float64 inputs are computed in float64, for gradcheck.)
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0")
     if chunk_size < 1:
         raise ValueError("chunk_size must be >= 1")
     if input_ids.shape[-1] == 0:
-        empty = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
+        empty = hidden.new_zeros(input_ids.shape, dtype=torch.promote_types(hidden.dtype, torch.float32))
         return empty, empty
     h, targets = _shifted(hidden, input_ids)
-    inv_temp = 1.0 / temperature
-    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    if use_checkpoint is None:
-        use_checkpoint = grad
+    out_dtype = torch.promote_types(hidden.dtype, torch.float32)
     lps, ents = [], []
     for start in range(0, h.shape[0], chunk_size):
-        hc, tc = h[start : start + chunk_size], targets[start : start + chunk_size]
-        if use_checkpoint and grad:
-            lp, ent = checkpoint(_chunk_logprobs_entropy, hc, weight, bias, tc, inv_temp, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs_entropy(hc, weight, bias, tc, inv_temp)
+        chunk = slice(start, start + chunk_size)
+        lp, ent = _ChunkLogprobs.apply(h[chunk], weight, bias, targets[chunk], 1.0 / temperature)
         lps.append(lp)
         ents.append(ent)
-    lp = torch.cat(lps) if lps else h.new_zeros(0, dtype=torch.float32)
-    ent = torch.cat(ents) if ents else h.new_zeros(0, dtype=torch.float32)
-    return _to_token_coords(lp, input_ids), _to_token_coords(ent.detach(), input_ids)
+    lp = torch.cat(lps) if lps else h.new_zeros(0, dtype=out_dtype)
+    ent = torch.cat(ents) if ents else h.new_zeros(0, dtype=out_dtype)
+    return _to_token_coords(lp, input_ids), _to_token_coords(ent, input_ids)
 
 
 def token_logprobs(
@@ -101,12 +118,9 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
-    use_checkpoint: bool | None = None,
 ) -> torch.Tensor:
     """Chunked log-probs in token coordinates: ``out[..., 0] = 0``, ``out[..., i] = log pi(x_i | x_<i)``."""
-    lp, _ = token_logprobs_and_entropy(
-        hidden, input_ids, weight, bias, temperature=temperature, chunk_size=chunk_size, use_checkpoint=use_checkpoint
-    )
+    lp, _ = token_logprobs_and_entropy(hidden, input_ids, weight, bias, temperature=temperature, chunk_size=chunk_size)
     return lp
 
 

@@ -20,6 +20,7 @@ for data-parallel training. ``train(config, client=...)`` accepts any object wit
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import re
@@ -184,10 +185,14 @@ def build_learner(config: TrainConfig, dist: Dist) -> Learner:
     policy = Policy(model, temperature=config.temperature, chunk_size=config.logprob_chunk_size).to(dist.device)
     module: nn.Module = policy
     if dist.enabled:
-        # no buffer broadcast: ranks may run different numbers of forwards per optimizer step
-        module = nn.parallel.DistributedDataParallel(
-            policy, device_ids=[dist.device.index] if dist.device.type == "cuda" else None, broadcast_buffers=False
+        # no buffer sync in forward: ranks may run different numbers of forwards per optimizer step
+        ddp = nn.parallel.DistributedDataParallel
+        no_sync_kw = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+            else {"broadcast_buffers": False}
         )
+        module = ddp(policy, device_ids=[dist.device.index] if dist.device.type == "cuda" else None, **no_sync_kw)
     optimizer = torch.optim.AdamW(
         [p for p in policy.parameters() if p.requires_grad],
         lr=config.lr,
