@@ -848,7 +848,10 @@ async def stream_response(ctx: ResponsesContext, runner, store, stream: TurnStre
         p = result.parsed
         status = "incomplete" if result.finish_reason == "length" else "completed"
         lp = token_logprobs(tok, result) if _wants_logprobs(ctx.req) else None
-        frames += w.close_reasoning(p.reasoning or "") if (p.reasoning or w.rs_index is not None) else []
+        if p.reasoning or w.rs_index is not None:
+            frames += w.close_reasoning(p.reasoning or "")
+            if w.rs_index is not None and w.items[w.rs_index]["content"][0]["text"] != (p.reasoning or ""):
+                log.warning("streamed reasoning of %s differs from the parsed reasoning", tid)
         w.rs_closed = True
         if p.content or not p.tool_calls or w.msg_index is not None:
             frames += w.close_message(p.content, status, lp)
