@@ -332,12 +332,6 @@ def check_tool_choice(tool_choice: Any, tools: list[Tool], param: str = "tool_ch
     raise bad_request(f"invalid value for '{param}'", code="invalid_value", param=param)
 
 
-async def _maybe_await(value: Any) -> Any:
-    if inspect.isawaitable(value):
-        return await value
-    return value
-
-
 async def store_get(store, rid: str) -> tuple[bytes, bytes] | None:
     if store is None:
         return None
