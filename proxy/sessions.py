@@ -204,7 +204,7 @@ class TurnRunner:
             t_parse = time.perf_counter()
             parsed = self.fmt.parse(gen.output_ids, prompt_ids=plan.prompt_ids, tools=req.tools, finish_reason=gen.finish_reason)
             self.metrics.stage_seconds.labels("parse").observe(time.perf_counter() - t_parse)
-            turn_id = new_turn_id()
+            turn_id = req.turn_id or new_turn_id()
             result = TurnResult(
                 turn_id=turn_id,
                 session_id=plan.session_id,

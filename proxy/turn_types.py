@@ -34,6 +34,7 @@ class TurnRequest:
     stop: list[str] = field(default_factory=list)
     chat_template_kwargs: dict | None = None
     metadata: dict = field(default_factory=dict)
+    turn_id: str | None = None  # chosen up front by streaming front ends, whose first event names the ids
 
 
 @dataclass
