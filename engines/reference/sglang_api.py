@@ -9,6 +9,7 @@ so rather than silently ignored.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -166,7 +167,7 @@ def parse_generate(body: dict, state: EngineState) -> tuple[Job, dict]:
     elif not isinstance(rid, str) or not rid:
         raise BadRequest("rid must be a non-empty string")
     if return_logprob and top_n:
-        params = GenParams(**{**params.__dict__, "top_logprobs": top_n})
+        params = dataclasses.replace(params, top_logprobs=top_n)
     job = Job(
         rid=rid,
         input_ids=ids,

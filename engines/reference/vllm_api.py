@@ -157,8 +157,8 @@ class _Render:
             out.setdefault(self.name(t), _clamp(v))
         return out
 
-    def logprobs(self, ids, lps, tops, offset0: int, first_prompt: bool) -> dict:
-        """vLLM ``logprobs`` for a run of tokens; ``first_prompt``: entry 0 is the null prompt start."""
+    def logprobs(self, ids, lps, tops, offset0: int) -> dict:
+        """vLLM ``logprobs`` for a run of tokens (a null logprob marks the first prompt token)."""
         k = self.opts["logprobs"] or 0
         tokens, token_lps, top_lps, offsets = [], [], [], []
         last_len = 0
@@ -208,19 +208,17 @@ class _Render:
         o = self.opts
         text = self.text(snap)
         ids, lps, tops = list(snap.output_ids), list(snap.output_logprobs), list(snap.output_top)
-        first_prompt = False
         if o["echo"]:
             text = self.prompt_text() + text
             if o["logprobs"] is not None:
                 ids = self.job.input_ids + ids
                 lps = list(snap.input_logprobs) + lps
                 tops = list(snap.input_top or [None] * len(self.job.input_ids)) + tops
-                first_prompt = True
         finish, stop_reason = self.reasons(snap)
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": self.logprobs(ids, lps, tops, 0, first_prompt) if o["logprobs"] is not None else None,
+            "logprobs": self.logprobs(ids, lps, tops, 0) if o["logprobs"] is not None else None,
             "finish_reason": finish,
             "stop_reason": stop_reason,
             "prompt_logprobs": self.prompt_logprobs(snap),
@@ -254,7 +252,7 @@ async def _stream(state: EngineState, job: Job, watch, render: _Render):
             finish, stop_reason = render.reasons(snap)
             lp_obj = None
             if o["logprobs"] is not None:
-                lp_obj = render.logprobs(ids, lps, tops, offset, first and o["echo"])
+                lp_obj = render.logprobs(ids, lps, tops, offset)
                 if lp_obj["tokens"]:
                     offset = lp_obj["text_offset"][-1] + len(lp_obj["tokens"][-1])
             choice = {
