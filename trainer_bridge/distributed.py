@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,6 +68,31 @@ def broadcast(dist: Dist, obj: Any) -> Any:
     return box[0]
 
 
+class RemoteError(RuntimeError):
+    """Raised on the other ranks when rank 0 failed in :func:`on_main`."""
+
+
+def on_main(dist: Dist, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 and hand its result to every rank.
+
+    If it raises, every rank raises too (instead of the others hanging in the next collective).
+    """
+    if not dist.enabled:
+        return fn()
+    result, error = None, None
+    if dist.is_main:
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the others
+            error = e
+    ok, payload = broadcast(dist, (error is None, result if error is None else repr(error)))
+    if error is not None:
+        raise error
+    if not ok:
+        raise RemoteError(f"rank 0 failed: {payload}")
+    return payload
+
+
 def gather(dist: Dist, obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank."""
     if not dist.enabled:
@@ -74,8 +100,3 @@ def gather(dist: Dist, obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.world_size
     torch_dist.all_gather_object(out, obj)
     return out
-
-
-def barrier(dist: Dist) -> None:
-    if dist.enabled:
-        torch_dist.barrier()

@@ -4,8 +4,10 @@
 chunks (``logprobs.py``), so a full ``[tokens, vocab]`` logits tensor never exists. Being an
 ``nn.Module`` whose forward does the whole computation, it can be wrapped in DDP as is.
 
-The model stays in eval mode: dropout would make the proximal pass and the first training pass
-differ, and the PPO ratio on the first minibatch must be exactly 1. Gradients work regardless.
+Dropout is always off: it would make the proximal pass and the first training pass differ, and
+the PPO ratio on the first minibatch must be exactly 1. The model runs in eval mode (gradients
+work regardless) unless gradient checkpointing is on, which transformers only applies in train
+mode; then it runs in train mode with every dropout rate set to 0.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Policy(nn.Module):
             value = getattr(cfg, attr, None)
             if value not in (None, 1, 1.0):
                 raise NotImplementedError(f"models with config.{attr}={value} are not supported yet")
-        self.model.eval()
+        self.train()
 
     @property
     def body(self) -> nn.Module:
@@ -55,8 +57,13 @@ class Policy(nn.Module):
     def head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
 
-    def train(self, mode: bool = True) -> "Policy":  # noqa: D401 - keep eval mode, see module docstring
-        return super().train(False)
+    def train(self, mode: bool = True) -> "Policy":
+        """Train mode only where it is needed (gradient checkpointing), never with dropout."""
+        checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules())
+        super().train(mode and checkpointing)
+        if mode and checkpointing:
+            disable_dropout(self.model)
+        return self
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
@@ -83,6 +90,16 @@ class Policy(nn.Module):
             )
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """Zero every dropout rate: ``nn.Dropout`` modules and the float rates HF attention modules keep."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for attr in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, 0.0)
+
+
 def load_causal_lm(model_dir: str, *, dtype: str = "float32", gradient_checkpointing: bool = False) -> nn.Module:
     """Load a local HF causal LM directory (no hub access)."""
     from transformers import AutoModelForCausalLM
@@ -93,7 +110,11 @@ def load_causal_lm(model_dir: str, *, dtype: str = "float32", gradient_checkpoin
     except TypeError:  # transformers < 4.56 spells it torch_dtype
         model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch_dtype, local_files_only=True)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+            model.activation_checkpointing_enable(kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
     return model
 

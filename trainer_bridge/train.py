@@ -366,11 +366,16 @@ def _quiet_transformers() -> None:
 
 
 def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
-    """Run ``config.steps`` training steps; return the per-step stats (on every rank)."""
+    """Run ``config.steps`` training steps; return the per-step stats (on every rank).
+
+    ``client`` (rank 0 only) defaults to a :class:`ProxyClient` for ``config.proxies``.
+    """
     config.validate()
     _quiet_transformers()
     dist = distributed.setup(config.device)
-    own_client = False
+    own_client = dist.is_main and client is None
+    if own_client:
+        client = ProxyClient(config.proxies, admin_token=config.admin_token)
     bar = None
     try:
         torch.manual_seed(config.seed)
@@ -380,14 +385,11 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
         if dist.is_main:
             out.mkdir(parents=True, exist_ok=True)
             stats_path.parent.mkdir(parents=True, exist_ok=True)
-            if client is None:
-                client = ProxyClient(config.proxies, admin_token=config.admin_token)
-                own_client = True
-        version = distributed.broadcast(dist, client.version() if dist.is_main else None)
+        version = distributed.on_main(dist, lambda: client.version())
         bar = _progress(config, dist)
         history: list[dict[str, Any]] = []
         for step in range(1, config.steps + 1):
-            batch = distributed.broadcast(dist, collect_batch(client, config, version) if dist.is_main else None)
+            batch = distributed.on_main(dist, lambda: collect_batch(client, config, version))
             if batch.stop:
                 if dist.is_main:
                     _log(bar, f"no trainable samples within {config.pull_timeout_s}s; stopping after step {step - 1}")
@@ -395,16 +397,19 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             stats = learner_step(learner, batch.samples, batch.advantages, config, step)
             new_version = version + 1 if config.publish else version
-            if dist.is_main:
-                path = save_hf_dir(learner.policy.model, config.model, out / f"step_{step}", dtype=config.save_dtype)
+            path = out / f"step_{step}"
+
+            def publish() -> None:
+                save_hf_dir(learner.policy.model, config.model, path, dtype=config.save_dtype)
                 if config.publish:
                     client.publish(str(path), new_version)
-                for lease in batch.leases:
+                for lease in batch.leases:  # trained on (or dropped as too stale): done with them
                     client.ack(lease)
                 prune_step_dirs(out, config.keep_last)
+
+            distributed.on_main(dist, publish)
             record = {"step": step, "version": new_version, "trained_on_version": version, **batch.info, **stats}
-            record["step_time_s"] = time.perf_counter() - t0
-            record["model_path"] = str(out / f"step_{step}")
+            record.update(step_time_s=time.perf_counter() - t0, model_path=str(path))
             if dist.is_main:
                 _log(bar, format_stats(record))
                 with stats_path.open("a") as f:
@@ -413,7 +418,6 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
                     bar.update(1)
             history.append(record)
             version = new_version
-            distributed.barrier(dist)
         return history
     finally:
         if bar is not None:

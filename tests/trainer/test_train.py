@@ -174,3 +174,23 @@ def test_cli_flags(monkeypatch, tmp_path):
     assert config_from_argv(["--proxy", "u", "--model", "m", "--admin-token", "x"]).admin_token == "x"
     with pytest.raises(ValueError, match="proxy"):
         main(["--model", "/m"])
+
+
+def test_gradient_checkpointing_keeps_dropout_off_and_results_equal(tiny_model_dir, tmp_path):
+    """Checkpointing needs train mode; dropout must still be off so the first ratio stays exactly 1."""
+    import shutil
+
+    model_dir = tmp_path / "with_dropout"
+    shutil.copytree(tiny_model_dir, model_dir)
+    cfg_json = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg_json, "attention_dropout": 0.5}))
+
+    weights = []
+    for checkpointing in (False, True):
+        client = FakeClient([make_samples(seed=8)])
+        out = tmp_path / f"gc{checkpointing}"
+        history = train(config(model_dir, out, gradient_checkpointing=checkpointing, ppo_n_minibatches=2), client=client)
+        assert history[0]["first_minibatch_ratio_dev"] == 0.0
+        weights.append(load_file(out / "step_1" / "model.safetensors"))
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], atol=1e-6, rtol=1e-5)
