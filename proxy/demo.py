@@ -72,8 +72,12 @@ async def _run_session(base: str, session_id: str, group_id: str, group_size: in
 
     agent = Agent(name="adder", instructions="Add the numbers with the add tool.", tools=[add],
                   model=OpenAIResponsesModel(model="splice-model", openai_client=client))
-    result = await Runner.run(agent, "What are 1+2 and 3+4?", max_turns=8)
-    reward = rng.random() + (0.5 if "7" in str(result.final_output) else 0.0)
+    try:
+        result = await Runner.run(agent, "What are 1+2 and 3+4?", max_turns=8)
+        answer = str(result.final_output)
+    except Exception as exc:  # e.g. MaxTurnsExceeded: the episode fails, it still gets a reward
+        answer = f"failed: {type(exc).__name__}"
+    reward = rng.random() + (0.5 if "7" in answer else 0.0)
     async with httpx.AsyncClient(timeout=60) as h:
         r = await h.post(f"{base}/v1/sessions/{session_id}/reward", json={"reward": reward})
         r.raise_for_status()
@@ -81,18 +85,26 @@ async def _run_session(base: str, session_id: str, group_id: str, group_size: in
     return 1, reward
 
 
-async def _agents(base: str, groups: int, group_size: int, concurrency: int, seed: int) -> list[str]:
-    sem = asyncio.Semaphore(concurrency)
+async def _agents(base: str, group_size: int, concurrency: int, seed: int, trainer: subprocess.Popen, min_groups: int, max_groups: int) -> list[str]:
+    """Launch groups of sessions until the trainer is done (so weight updates land mid-generation)."""
+    from agents import set_tracing_disabled
+
+    set_tracing_disabled(True)
     rng = random.Random(seed)
     ids: list[str] = []
-
-    async def one(g: int, k: int) -> None:
-        sid = f"demo-g{g}-s{k}"
-        ids.append(sid)
-        async with sem:
-            await _run_session(base, sid, f"demo-g{g}", group_size, random.Random(rng.random()))
-
-    await asyncio.gather(*(one(g, k) for g in range(groups) for k in range(group_size)))
+    running: set[asyncio.Task] = set()
+    g = 0
+    while g < max_groups and (g < min_groups or trainer.poll() is None):
+        while len(running) * group_size >= concurrency:
+            _, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+        group = [f"demo-g{g}-s{k}" for k in range(group_size)]
+        ids += group
+        running.add(asyncio.ensure_future(asyncio.gather(
+            *(_run_session(base, sid, f"demo-g{g}", group_size, random.Random(rng.random())) for sid in group)
+        )))
+        g += 1
+    if running:
+        await asyncio.gather(*running)
     return ids
 
 
@@ -121,6 +133,9 @@ def _plot(stats: list[dict], path: Path) -> None:
         ax.plot(steps, [s.get(k, float("nan")) for s in stats], marker="o")
         ax.set_ylabel(k.replace("_", " "))
         ax.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1, 0].set_xlabel("training step")
     fig.suptitle("splice demo: per-step trainer metrics")
     fig.tight_layout()
@@ -130,7 +145,8 @@ def _plot(stats: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="splice demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--groups", type=int, default=6)
+    p.add_argument("--groups", type=int, default=4, help="groups to run at least")
+    p.add_argument("--max-groups", type=int, default=40, help="groups to run at most while the trainer trains")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
@@ -164,12 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  proxy + reference engine up at {base} ({time.monotonic() - t_start:.0f}s)")
         trainer = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "train", "--proxy", base, "--model", model_dir, "--steps", str(args.steps),
-             "--out", str(run / "train"), "--batch-samples", str(args.group_size * 2), "--min-samples", str(args.group_size),
+             "--out", str(run / "train"), "--batch-samples", str(args.group_size), "--min-samples", str(args.group_size),
              "--lr", "1e-4", "--pull-wait-s", "5", "--pull-timeout-s", "240", "--no-progress"],
             env=env, start_new_session=True, stdout=open(run / "trainer.log", "w"), stderr=subprocess.STDOUT,
         )
         procs.append(trainer)
-        session_ids = asyncio.run(_agents(base, args.groups, args.group_size, args.concurrency, args.seed))
+        session_ids = asyncio.run(
+            _agents(base, args.group_size, args.concurrency, args.seed, trainer, args.groups, args.max_groups)
+        )
         print(f"  {len(session_ids)} agent sessions finished ({time.monotonic() - t_start:.0f}s)")
         try:
             trainer.wait(timeout=300)
