@@ -16,55 +16,62 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def _opt(default: Any, help: str) -> Any:
+    """A config field with its ``--help`` text."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainConfig:
     # where samples come from and weights go
-    proxies: list[str] = field(default_factory=list)  # proxy base URLs (flag: --proxy, repeatable)
-    model: str = ""  # local HF model directory (safetensors) the engines serve at the start
-    out: str = "splice_train"  # step_{k} weight directories and stats.jsonl go here
-    admin_token: str | None = None
-    publish: bool = True  # push each step's weights to the proxies (pause -> update -> resume)
-    keep_last: int | None = 3  # delete older step_{k} directories (None keeps all)
-    save_dtype: str | None = None  # e.g. bfloat16: cast weights when saving (None: as trained)
+    proxies: list[str] = _opt([], "proxy base URL (repeat for several proxies)")
+    model: str = _opt("", "local HF model directory (safetensors) the engines serve at the start")
+    out: str = _opt("splice_train", "output directory: step_{k} weight directories and stats.jsonl")
+    admin_token: str | None = _opt(None, "bearer token for the proxies' admin and pull API")
+    publish: bool = _opt(True, "push each step's weights to the proxies (pause -> update_weights -> resume)")
+    keep_last: int | None = _opt(3, "keep only the newest N step directories ('none' keeps all)")
+    save_dtype: str | None = _opt(None, "cast weights when saving, e.g. bfloat16 (default: as trained)")
 
     # schedule
-    steps: int = 1
-    batch_samples: int = 8  # samples leased per pull
-    min_samples: int = 1  # pull again until a step has at least this many trainable samples
-    pull_wait_s: float = 30.0  # long-poll time of one pull
-    pull_timeout_s: float | None = None  # give up a step after waiting this long (None: forever)
+    steps: int = _opt(1, "training steps (one pull batch, one published version each)")
+    batch_samples: int = _opt(8, "samples leased per pull")
+    min_samples: int = _opt(1, "pull again until a step has at least this many trainable samples")
+    pull_wait_s: float = _opt(30.0, "long-poll time of one pull")
+    pull_timeout_s: float | None = _opt(None, "stop training when a step found nothing trainable for this long")
 
     # optimization
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    ppo_n_minibatches: int = 1  # optimizer steps per training step
-    micro_batch_tokens: int = 8192  # padded tokens per forward/backward
-    gradient_checkpointing: bool = False
-    seed: int = 0
+    lr: float = _opt(1e-6, "AdamW learning rate")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    adam_beta1: float = _opt(0.9, "AdamW beta1")
+    adam_beta2: float = _opt(0.999, "AdamW beta2")
+    adam_eps: float = _opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float | None = _opt(1.0, "gradient clipping norm ('none' disables)")
+    ppo_n_minibatches: int = _opt(1, "optimizer steps per training step (the batch is split in this many)")
+    micro_batch_tokens: int = _opt(8192, "padded tokens per forward/backward (gradient accumulation unit)")
+    gradient_checkpointing: bool = _opt(False, "recompute decoder activations in backward to save memory")
+    seed: int = _opt(0, "seed for minibatch shuffling")
 
     # loss (SPEC section 6)
-    eps_clip: float = 0.2
-    eps_clip_higher: float | None = None
-    c_clip: float | None = None  # dual clip, e.g. 3.0
-    behav_weight: str = "segment"  # segment | decoupled | off
-    behav_imp_weight_cap: float | None = 5.0
-    behav_imp_weight_floor: float | None = 0.2
-    adv_normalize_std: bool = True
-    max_staleness: int | None = 4  # drop samples with a token older than version - max_staleness
-    mask_missing_proximal: bool = False  # mask tokens whose pi_{v+1} recompute never happened
+    eps_clip: float = _opt(0.2, "PPO clip: ratio kept within [1 - eps_clip, 1 + eps_clip_higher]")
+    eps_clip_higher: float | None = _opt(None, "upper clip (default: eps_clip)")
+    c_clip: float | None = _opt(None, "dual-clip constant for negative advantages, e.g. 3.0 (default: off)")
+    behav_weight: str = _opt("segment", "behaviour weight: segment (pi_{v+1}/pi_v), decoupled (pi_prox/pi_v) or off")
+    behav_imp_weight_cap: float | None = _opt(5.0, "mask tokens whose behaviour weight exceeds this ('none': no cap)")
+    behav_imp_weight_floor: float | None = _opt(0.2, "mask tokens whose behaviour weight is below this ('none': no floor)")
+    adv_normalize_std: bool = _opt(True, "divide group-centred rewards by the group's std")
+    max_staleness: int | None = _opt(4, "drop samples with a token older than version - N ('none': keep all)")
+    mask_missing_proximal: bool = _opt(False, "mask tokens whose pi_{v+1} recompute never happened")
 
     # numerics
-    temperature: float = 1.0  # the engines' sampling temperature
-    logprob_chunk_size: int = 1024
-    device: str = "auto"  # auto | cpu | cuda
-    model_dtype: str = "float32"  # parameter dtype (bf16 autocast is added on CUDA anyway)
+    temperature: float = _opt(1.0, "the engines' sampling temperature (log-probs are computed at it)")
+    logprob_chunk_size: int = _opt(1024, "tokens per LM-head chunk in the log-prob computation")
+    device: str = _opt("auto", "auto, cpu or cuda")
+    model_dtype: str = _opt("float32", "parameter dtype (bf16 autocast is used on CUDA regardless)")
 
-    stats_path: str | None = None  # default: <out>/stats.jsonl
-    progress: bool = True
+    stats_path: str | None = _opt(None, "per-step stats JSONL (default: <out>/stats.jsonl)")
+    progress: bool = _opt(True, "show a progress bar")
 
     def validate(self) -> "TrainConfig":
         if not self.proxies:
@@ -103,19 +110,28 @@ def _parse_optional(kind: type):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="splice train", description="GRPO / decoupled-PPO trainer that learns from Splice proxies."
+        prog="splice train",
+        description="GRPO / decoupled-PPO trainer that learns from Splice proxies.",
+        epilog="Every flag can also be set as SPLICE_TRAIN_<FLAG> (e.g. SPLICE_TRAIN_LR=1e-6; "
+        "SPLICE_TRAIN_PROXIES takes a comma-separated list); SPLICE_ADMIN_TOKEN sets the admin token. "
+        "Data-parallel: torchrun --nproc_per_node N -m trainer_bridge.train ...",
     )
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         kind, optional = _base_type(hints[f.name])
         flag = _flag(f.name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        text = f.metadata.get("help", "") + ("" if default in ("", [], None) else f" (default: {default})")
         if kind is list:
-            parser.add_argument(flag, dest=f.name, action="append", default=argparse.SUPPRESS, metavar="URL")
+            parser.add_argument(flag, dest=f.name, action="append", default=argparse.SUPPRESS, metavar="URL", help=text)
         elif kind is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            parser.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text
+            )
         else:
             parse = _parse_optional(kind) if optional else kind
-            parser.add_argument(flag, dest=f.name, type=parse, default=argparse.SUPPRESS)
+            metavar = f.name.split("_")[-1].upper() if kind is str else kind.__name__.upper()
+            parser.add_argument(flag, dest=f.name, type=parse, default=argparse.SUPPRESS, metavar=metavar, help=text)
     return parser
 
 

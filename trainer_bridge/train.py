@@ -38,7 +38,7 @@ from torch import nn
 from . import distributed
 from .advantages import group_advantages
 from .batching import MicroBatch, empty_micro_batch, make_micro_batches, validate_sample
-from .client import ProxyClient
+from .client import ProxyClient, ProxyError
 from .config import TrainConfig, config_from_argv
 from .distributed import Dist
 from .loss import decoupled_ppo_loss
@@ -222,11 +222,17 @@ def learner_step(
     advantages: Sequence[float],
     config: TrainConfig,
     step: int,
+    version: int | None = None,
 ) -> dict[str, float]:
     """Proximal pass + ``ppo_n_minibatches`` optimizer steps on this rank's shard of ``samples``.
 
     Every rank gets the full ``samples`` list; minibatch ``k`` is the same set on every rank and
     each rank trains on ``minibatch[rank::world_size]``. Returns stats merged over all ranks.
+
+    With ``version`` (the version of the weights held at the start of the step), also reports
+    ``engine_gap_mean``/``engine_gap_abs_max``: trainer minus engine log-prob on loss tokens that
+    version sampled. Same weights, so it should be ~0; anything else means the trainer and the
+    engines disagree (temperature, numerics, or tokens out of place).
     """
     dist = learner.dist
     plans: list[tuple[list[MicroBatch], int]] = []
@@ -237,10 +243,16 @@ def learner_step(
         normalizer = sum(int(sum(1 for m in samples[i]["loss_mask"] if m)) for i in mb)
         plans.append((micro, normalizer))
 
+    gap = StatsAccumulator()
     with torch.no_grad():  # logp_prox: start-of-step weights, the same micro-batches as training
         for micro, _ in plans:
             for m in micro:
                 m.proximal_logprobs, _ = learner.policy(*_inputs(m))
+                fresh = m.loss_mask.bool() & (m.versions == version) if version is not None else None
+                if fresh is not None and fresh.any():
+                    diff = (m.proximal_logprobs - m.logprobs)[fresh].double()
+                    gap.add({"n_tokens": int(fresh.sum()), "engine_gap_mean": diff.mean().item(),
+                             "engine_gap_abs_max": diff.abs().max().item()})
 
     step_stats = StatsAccumulator()
     losses, grad_norms = [], []
@@ -293,6 +305,17 @@ def learner_step(
 
     out = step_stats.result()
     out.pop("n_tokens", None)
+    if version is not None:
+        merged_gap = StatsAccumulator()
+        for parts in distributed.gather(dist, gap.parts()):
+            for part in parts:
+                merged_gap.add(part)
+        gap_stats = merged_gap.result()
+        out.update(
+            engine_gap_tokens=gap_stats.pop("n_tokens"),
+            engine_gap_mean=gap_stats.get("engine_gap_mean", 0.0),
+            engine_gap_abs_max=gap_stats.get("engine_gap_abs_max", 0.0),
+        )
     out.update(
         loss=sum(losses) / len(losses) if losses else 0.0,
         loss_tokens=step_stats.n,
@@ -319,6 +342,16 @@ def prune_step_dirs(out: Path, keep_last: int | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def ack_lease(client: Any, lease: str) -> None:
+    """Ack, tolerating a lease the proxy already took back (it timed out during a long step)."""
+    try:
+        client.ack(lease)
+    except ProxyError as e:
+        if e.status not in (404, 409):
+            raise
+        print(f"warning: lease {lease} could not be acked ({e.message}); its samples may be served again", file=sys.stderr)
+
+
 # -- reporting ----------------------------------------------------------------------------------
 
 
@@ -331,7 +364,7 @@ def format_stats(s: dict[str, Any]) -> str:
         f" | stale {s.get('staleness_mean', 0):.2f}/{s.get('staleness_max', 0)}"
         f" | reward {s.get('reward_mean', 0):.3f} | samples {s.get('n_samples', 0)}"
         f" (-{s.get('n_dropped_stale', 0)} stale) | tokens {s.get('loss_tokens', 0)}"
-        f" | {s.get('step_time_s', 0):.1f}s"
+        f" | {s.get('train_time_s', 0):.1f}s train + {s.get('publish_time_s', 0):.1f}s publish"
     )
 
 
@@ -395,7 +428,7 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
                     _log(bar, f"no trainable samples within {config.pull_timeout_s}s; stopping after step {step - 1}")
                 break
             t0 = time.perf_counter()
-            stats = learner_step(learner, batch.samples, batch.advantages, config, step)
+            stats = learner_step(learner, batch.samples, batch.advantages, config, step, version=version)
             new_version = version + 1 if config.publish else version
             path = out / f"step_{step}"
 
@@ -404,12 +437,14 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
                 if config.publish:
                     client.publish(str(path), new_version)
                 for lease in batch.leases:  # trained on (or dropped as too stale): done with them
-                    client.ack(lease)
+                    ack_lease(client, lease)
                 prune_step_dirs(out, config.keep_last)
 
+            t1 = time.perf_counter()
             distributed.on_main(dist, publish)
+            t2 = time.perf_counter()
             record = {"step": step, "version": new_version, "trained_on_version": version, **batch.info, **stats}
-            record.update(step_time_s=time.perf_counter() - t0, model_path=str(path))
+            record.update(train_time_s=t1 - t0, publish_time_s=t2 - t1, step_time_s=t2 - t0, model_path=str(path))
             if dist.is_main:
                 _log(bar, format_stats(record))
                 with stats_path.open("a") as f:

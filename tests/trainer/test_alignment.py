@@ -107,3 +107,24 @@ def test_a_one_position_shift_is_visible(model):
     _, kl_good = run_pipeline(model, samples, advantages, behav_weight="decoupled")
     _, kl_bad = run_pipeline(model, samples, advantages, behav_weight="decoupled", roll_old=True)
     assert abs(kl_good) < 1e-5 and abs(kl_bad) > 0.1
+
+
+def test_trainer_sees_no_gap_to_engine_logprobs(model, tiny_model_dir, tmp_path):
+    """Through the whole learner step (micro-batching, padding, proximal pass), the trainer's
+    log-prob of each sampled token equals the engine's for that same token."""
+    from trainer_bridge.config import TrainConfig
+    from trainer_bridge.distributed import Dist
+    from trainer_bridge.train import build_learner, learner_step
+
+    samples = engine_like_samples(model)
+    for s in samples:  # every sampled token from the weights the trainer holds (version 5)
+        s["versions"] = [5 if m else -1 for m in s["loss_mask"]]
+    cfg = TrainConfig(proxies=["unused"], model=str(tiny_model_dir), out=str(tmp_path), micro_batch_tokens=40, lr=0.0)
+    learner = build_learner(cfg, Dist())
+    stats = learner_step(learner, samples, [1.0] * len(samples), cfg, step=1, version=5)
+    assert stats["engine_gap_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+    assert stats["engine_gap_abs_max"] < 1e-5
+
+    shifted = [dict(s, logprobs=s["logprobs"][1:] + [0.0]) for s in samples]  # the seed's off-by-one
+    stats = learner_step(learner, shifted, [1.0] * len(samples), cfg, step=2, version=5)
+    assert stats["engine_gap_abs_max"] > 0.5

@@ -84,6 +84,8 @@ def test_two_steps_against_mocked_proxy(tiny_model_dir, tmp_path):
     assert first["first_minibatch_ratio_dev"] == 0.0  # proximal pass == first training pass, bit for bit
     assert first["staleness_max"] == 1 and 0 < first["staleness_mean"] < 1
     assert first["n_minibatches"] == 2 and first["loss_tokens"] > 0
+    # the synthetic behaviour logprobs are not the model's: a visible trainer/engine gap
+    assert first["engine_gap_tokens"] > 0 and first["engine_gap_abs_max"] > 0.1
 
     # weights: a safetensors HF directory with the tokenizer files; only the newest kept
     assert not (out / "step_1").exists()
