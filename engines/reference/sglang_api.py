@@ -245,9 +245,11 @@ def make_router(state: EngineState) -> APIRouter:
         t0 = time.monotonic()
         try:
             job, opts = parse_generate(await read_json(request), state)
-            watch = await state.admit(job)
+            watch = await state.admit(job, request)
         except BadRequest as e:
             return error_response(str(e), e.status)
+        except ClientGone:
+            return Response(status_code=499)
         if opts["stream"]:
 
             async def frames():

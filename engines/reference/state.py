@@ -58,9 +58,13 @@ class EngineState:
         await asyncio.wrap_future(self.worker.resume())
         self.running.set()
 
-    async def admit(self, job: Job) -> "JobWatch":
-        """Wait while paused, then register the rid (400 when still in flight) and submit."""
-        await self.running.wait()
+    async def admit(self, job: Job, request: Request | None = None) -> "JobWatch":
+        """Wait while paused, then register the rid (400 when still in flight) and submit.
+
+        A client that disconnects while waiting raises ClientGone and is never submitted.
+        """
+        if not self.running.is_set():
+            await _wait_running_or_gone(self.running, request)
         if job.rid in self.inflight:
             raise BadRequest(f"Duplicate request ID {job.rid!r}: a request with this rid is still in flight.")
         watch = JobWatch(job)
@@ -120,6 +124,21 @@ class JobWatch:
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its generation finished."""
+
+
+async def _wait_running_or_gone(running: asyncio.Event, request: Request | None) -> None:
+    if request is None:
+        await running.wait()
+        return
+    resumed = asyncio.create_task(running.wait())
+    gone = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({resumed, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        resumed.cancel()
+        gone.cancel()
+    if resumed not in done:
+        raise ClientGone()
 
 
 async def _wait_disconnect(request: Request) -> None:

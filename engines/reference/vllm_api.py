@@ -286,10 +286,12 @@ def make_router(state: EngineState) -> APIRouter:
     async def completions(request: Request):
         try:
             job, opts = parse_completion(await read_json(request), state, request)
-            watch = await state.admit(job)
+            watch = await state.admit(job, request)
         except BadRequest as e:
             kind = "NotFoundError" if e.status == 404 else "BadRequestError"
             return vllm_error(str(e), e.status, kind)
+        except ClientGone:
+            return Response(status_code=499)
         render = _Render(state, job, opts)
         if opts["stream"]:
             return StreamingResponse(_stream(state, job, watch, render), media_type="text/event-stream")

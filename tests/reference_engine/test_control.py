@@ -198,3 +198,26 @@ def test_health_and_info(engine):
     assert info["paused"] is False and info["script_mode"] is False
 
 
+
+
+def test_client_that_leaves_while_paused_is_never_run(engine):
+    assert post(engine, "/pause_generation", {"mode": "abort"}).status_code == 200
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(engine + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400}, "rid": "left"}, timeout=0.3)
+        time.sleep(0.2)
+    finally:
+        post(engine, "/continue_generation")
+    time.sleep(0.2)
+    info = httpx.get(engine + "/get_server_info").json()
+    assert info["active"] == 0 and info["queued"] == 0
+
+
+def test_non_streaming_client_disconnect_aborts(engine):
+    with pytest.raises(httpx.TimeoutException):
+        long_request_timeout = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400}}
+        httpx.post(engine + "/generate", json=long_request_timeout, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while httpx.get(engine + "/get_server_info").json()["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(engine + "/get_server_info").json()["active"] == 0
