@@ -149,7 +149,7 @@ class Worker:
         return self._post("abort", rid)
 
     def pause(self, mode: str) -> Future:
-        """"abort": abort every job and hold; "in_place": stop stepping, keep state."""
+        """Mode "abort": abort every job and hold; "in_place": stop stepping, keep state."""
         return self._post("pause", mode)
 
     def resume(self) -> Future:
