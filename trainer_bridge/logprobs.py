@@ -82,11 +82,15 @@ def token_logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked ``(logprobs, entropy)`` in token coordinates, float32, shaped like ``input_ids``.
 
     ``hidden``: ``[..., L, H]`` final hidden states; ``weight``: ``[V, H]`` LM head; ``bias``: ``[V]``.
     Logits are divided by ``temperature`` (use the temperature the engine sampled at).
+    ``mask`` (token coordinates, like ``input_ids``): compute only the tokens where it is set and
+    leave 0 elsewhere. With the loss mask this skips prompt and padding tokens, usually most of
+    them, and gives the same values on the tokens that are computed.
     Gradients flow into ``hidden``, ``weight`` and ``bias`` through the log-probs; entropy is
     a detached statistic. (Float64 inputs are computed in float64, for gradcheck.)
     """
@@ -99,6 +103,12 @@ def token_logprobs_and_entropy(
         return empty, empty
     h, targets = _shifted(hidden, input_ids)
     out_dtype = torch.promote_types(hidden.dtype, torch.float32)
+    selected = None
+    if mask is not None:
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+        selected = mask[..., 1:].reshape(-1).bool().nonzero().squeeze(-1)
+        h, targets = h[selected], targets[selected]
     lps, ents = [], []
     for start in range(0, h.shape[0], chunk_size):
         chunk = slice(start, start + chunk_size)
@@ -107,6 +117,10 @@ def token_logprobs_and_entropy(
         ents.append(ent)
     lp = torch.cat(lps) if lps else h.new_zeros(0, dtype=out_dtype)
     ent = torch.cat(ents) if ents else h.new_zeros(0, dtype=out_dtype)
+    if selected is not None:  # scatter back to every predicted position, 0 where not computed
+        n = input_ids[..., 1:].numel()
+        lp = lp.new_zeros(n).index_put((selected,), lp)
+        ent = ent.new_zeros(n).index_put((selected,), ent)
     return _to_token_coords(lp, input_ids), _to_token_coords(ent, input_ids)
 
 

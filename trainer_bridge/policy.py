@@ -66,9 +66,16 @@ class Policy(nn.Module):
         return self
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logprobs, entropy)`` in token coordinates, float32, shaped like ``input_ids``."""
+        """``(logprobs, entropy)`` in token coordinates, float32, shaped like ``input_ids``.
+
+        With ``loss_mask`` only those tokens go through the LM head (the rest are 0).
+        """
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if input_ids.device.type == "cuda"
@@ -87,6 +94,7 @@ class Policy(nn.Module):
                 head.bias,
                 temperature=self.temperature,
                 chunk_size=self.chunk_size,
+                mask=loss_mask,
             )
 
 

@@ -212,8 +212,97 @@ def minibatch_indices(n: int, n_minibatches: int, seed: int) -> list[list[int]]:
     return [perm[(i * n) // k : ((i + 1) * n) // k] for i in range(k)]
 
 
-def _inputs(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return mb.input_ids, mb.attention_mask, mb.position_ids
+def _inputs(mb: MicroBatch) -> tuple[torch.Tensor, ...]:
+    """Policy inputs; log-probs are only computed for loss tokens (the rest are never used)."""
+    return mb.input_ids, mb.attention_mask, mb.position_ids, mb.loss_mask
+
+
+def plan_minibatches(
+    samples: Sequence[dict[str, Any]], advantages: Sequence[float], config: TrainConfig, step: int, dist: Dist
+) -> list[tuple[list[MicroBatch], int]]:
+    """Per minibatch: this rank's micro-batches and the minibatch's loss-token count (all ranks).
+
+    Minibatch ``k`` is the same sample set on every rank; each rank takes ``minibatch[rank::world]``.
+    A rank with nothing in a minibatch gets an empty micro-batch, so that every rank runs the
+    same number of gradient-synchronizing backward passes.
+    """
+    plans = []
+    for mb in minibatch_indices(len(samples), config.ppo_n_minibatches, config.seed * 1_000_003 + step):
+        shard = mb[dist.rank :: dist.world_size]
+        micro = make_micro_batches([samples[i] for i in shard], [advantages[i] for i in shard], config.micro_batch_tokens)
+        micro = [m.to(dist.device) for m in (micro or [empty_micro_batch()])]
+        n_loss_tokens = sum(sum(1 for m in samples[i]["loss_mask"] if m) for i in mb)
+        plans.append((micro, n_loss_tokens))
+    return plans
+
+
+@torch.no_grad()
+def proximal_pass(policy: Policy, plans: list[tuple[list[MicroBatch], int]], version: int | None) -> StatsAccumulator:
+    """Fill ``proximal_logprobs`` with the start-of-step weights, on the micro-batches training uses.
+
+    Also measures the trainer/engine gap on tokens sampled by ``version`` (the weights held now).
+    """
+    gap = StatsAccumulator()
+    for micro, _ in plans:
+        for m in micro:
+            m.proximal_logprobs, _ = policy(*_inputs(m))
+            if version is None:
+                continue
+            fresh = m.loss_mask.bool() & (m.versions == version)
+            if fresh.any():
+                diff = (m.proximal_logprobs - m.logprobs)[fresh].double()
+                gap.add({"n_tokens": int(fresh.sum()), "engine_gap_mean": diff.mean().item(),
+                         "engine_gap_abs_max": diff.abs().max().item()})
+    return gap
+
+
+def train_minibatch(learner: Learner, micro: list[MicroBatch], n_loss_tokens: int, config: TrainConfig) -> tuple[StatsAccumulator, float]:
+    """Accumulate gradients over ``micro`` (synchronizing only on the last), clip, step.
+
+    Returns this rank's stats (``loss_sum`` is its share of the minibatch loss) and the grad norm.
+    """
+    dist = learner.dist
+    learner.optimizer.zero_grad(set_to_none=True)
+    acc = StatsAccumulator()
+    for j, m in enumerate(micro):
+        last = j == len(micro) - 1
+        with learner.module.no_sync() if dist.enabled and not last else contextlib.nullcontext():
+            logprobs, entropy = learner.module(*_inputs(m))
+            loss, stats = decoupled_ppo_loss(
+                logprobs=logprobs,
+                proximal_logprobs=m.proximal_logprobs,
+                old_logprobs=m.logprobs,
+                proximal_logprobs_t=m.proximal_logprobs_t,
+                advantages=m.advantages,
+                loss_mask=m.loss_mask,
+                eps_clip=config.eps_clip,
+                eps_clip_higher=config.eps_clip_higher,
+                c_clip=config.c_clip,
+                behav_weight=config.behav_weight,
+                behav_imp_weight_cap=config.behav_imp_weight_cap,
+                behav_imp_weight_floor=config.behav_imp_weight_floor,
+                loss_normalizer=n_loss_tokens,
+            )
+            # the loss is already a mean over the whole minibatch; DDP averages over ranks, undo that
+            (loss * dist.world_size).backward()
+        stats["loss_sum"] = stats.pop("loss")
+        if stats["n_tokens"]:
+            stats["entropy_mean"] = entropy[m.loss_mask.bool()].mean().item()
+        acc.add(stats)
+    params = [p for p in learner.policy.parameters() if p.requires_grad]
+    max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    learner.optimizer.step()
+    return acc, grad_norm
+
+
+def merge_ranks(dist: Dist, acc: StatsAccumulator) -> StatsAccumulator:
+    """Every rank's stats merged, on every rank."""
+    merged = StatsAccumulator()
+    for parts in distributed.gather(dist, acc.parts()):
+        for part in parts:
+            merged.add(part)
+    return merged
 
 
 def learner_step(
@@ -224,104 +313,45 @@ def learner_step(
     step: int,
     version: int | None = None,
 ) -> dict[str, float]:
-    """Proximal pass + ``ppo_n_minibatches`` optimizer steps on this rank's shard of ``samples``.
+    """Proximal pass + ``ppo_n_minibatches`` optimizer steps; stats merged over all ranks.
 
-    Every rank gets the full ``samples`` list; minibatch ``k`` is the same set on every rank and
-    each rank trains on ``minibatch[rank::world_size]``. Returns stats merged over all ranks.
-
+    Every rank gets the full ``samples`` list and trains on its shard (see :func:`plan_minibatches`).
     With ``version`` (the version of the weights held at the start of the step), also reports
     ``engine_gap_mean``/``engine_gap_abs_max``: trainer minus engine log-prob on loss tokens that
     version sampled. Same weights, so it should be ~0; anything else means the trainer and the
     engines disagree (temperature, numerics, or tokens out of place).
     """
     dist = learner.dist
-    plans: list[tuple[list[MicroBatch], int]] = []
-    for mb in minibatch_indices(len(samples), config.ppo_n_minibatches, config.seed * 1_000_003 + step):
-        shard = mb[dist.rank :: dist.world_size]
-        micro = make_micro_batches([samples[i] for i in shard], [advantages[i] for i in shard], config.micro_batch_tokens)
-        micro = [m.to(dist.device) for m in (micro or [empty_micro_batch()])]
-        normalizer = sum(int(sum(1 for m in samples[i]["loss_mask"] if m)) for i in mb)
-        plans.append((micro, normalizer))
-
-    gap = StatsAccumulator()
-    with torch.no_grad():  # logp_prox: start-of-step weights, the same micro-batches as training
-        for micro, _ in plans:
-            for m in micro:
-                m.proximal_logprobs, _ = learner.policy(*_inputs(m))
-                fresh = m.loss_mask.bool() & (m.versions == version) if version is not None else None
-                if fresh is not None and fresh.any():
-                    diff = (m.proximal_logprobs - m.logprobs)[fresh].double()
-                    gap.add({"n_tokens": int(fresh.sum()), "engine_gap_mean": diff.mean().item(),
-                             "engine_gap_abs_max": diff.abs().max().item()})
+    plans = plan_minibatches(samples, advantages, config, step, dist)
+    gap = merge_ranks(dist, proximal_pass(learner.policy, plans, version))
 
     step_stats = StatsAccumulator()
     losses, grad_norms = [], []
     first_ratio_dev = 0.0
-    params = [p for p in learner.policy.parameters() if p.requires_grad]
-    for k, (micro, normalizer) in enumerate(plans):
-        learner.optimizer.zero_grad(set_to_none=True)
-        acc = StatsAccumulator()
-        loss_sum = 0.0
-        for j, m in enumerate(micro):
-            sync = j == len(micro) - 1
-            ctx = learner.module.no_sync() if dist.enabled and not sync else contextlib.nullcontext()
-            with ctx:
-                logprobs, entropy = learner.module(*_inputs(m))
-                loss, stats = decoupled_ppo_loss(
-                    logprobs=logprobs,
-                    proximal_logprobs=m.proximal_logprobs,
-                    old_logprobs=m.logprobs,
-                    proximal_logprobs_t=m.proximal_logprobs_t,
-                    advantages=m.advantages,
-                    loss_mask=m.loss_mask,
-                    eps_clip=config.eps_clip,
-                    eps_clip_higher=config.eps_clip_higher,
-                    c_clip=config.c_clip,
-                    behav_weight=config.behav_weight,
-                    behav_imp_weight_cap=config.behav_imp_weight_cap,
-                    behav_imp_weight_floor=config.behav_imp_weight_floor,
-                    loss_normalizer=normalizer,
-                )
-                # DDP averages gradients over ranks; the loss is already a global mean
-                (loss * dist.world_size).backward()
-            loss_sum += stats.pop("loss")
-            if stats["n_tokens"]:
-                stats["entropy_mean"] = entropy[m.loss_mask.bool()].mean().item()
-            acc.add(stats)
-        max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-        learner.optimizer.step()
-
-        gathered = distributed.gather(dist, (acc.parts(), loss_sum))
-        mb_stats = StatsAccumulator()
-        for parts, _ in gathered:
-            for part in parts:
-                mb_stats.add(part)
-        losses.append(sum(ls for _, ls in gathered))
-        if k == 0 and mb_stats.n:
+    for k, (micro, n_loss_tokens) in enumerate(plans):
+        acc, grad_norm = train_minibatch(learner, micro, n_loss_tokens, config)
+        mb_stats = merge_ranks(dist, acc)
+        grad_norms.append(grad_norm)
+        if mb_stats.n:
             r = mb_stats.result()
-            first_ratio_dev = max(abs(r["ratio_max"] - 1.0), abs(r["ratio_min"] - 1.0))
+            losses.append(r["loss_sum"])
+            if k == 0:
+                first_ratio_dev = max(abs(r["ratio_max"] - 1.0), abs(r["ratio_min"] - 1.0))
         step_stats.merge(mb_stats)
 
     out = step_stats.result()
+    out.pop("loss_sum", None)
     out.pop("n_tokens", None)
-    if version is not None:
-        merged_gap = StatsAccumulator()
-        for parts in distributed.gather(dist, gap.parts()):
-            for part in parts:
-                merged_gap.add(part)
-        gap_stats = merged_gap.result()
-        out.update(
-            engine_gap_tokens=gap_stats.pop("n_tokens"),
-            engine_gap_mean=gap_stats.get("engine_gap_mean", 0.0),
-            engine_gap_abs_max=gap_stats.get("engine_gap_abs_max", 0.0),
-        )
+    gap_stats = gap.result()
     out.update(
         loss=sum(losses) / len(losses) if losses else 0.0,
         loss_tokens=step_stats.n,
         grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
         n_minibatches=len(plans),
         first_minibatch_ratio_dev=first_ratio_dev,
+        engine_gap_tokens=gap_stats["n_tokens"],
+        engine_gap_mean=gap_stats.get("engine_gap_mean", 0.0),
+        engine_gap_abs_max=gap_stats.get("engine_gap_abs_max", 0.0),
         lr=float(learner.optimizer.param_groups[0]["lr"]) if getattr(learner.optimizer, "param_groups", None) else 0.0,
     )
     return out

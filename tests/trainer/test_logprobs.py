@@ -65,6 +65,26 @@ def test_batched_rows_are_independent():
     assert torch.all(lp[:, 0] == 0) and torch.all(ent[:, 0] == 0)
 
 
+def test_mask_computes_only_selected_tokens():
+    h, w, b, ids = _inputs(15, 8, 60, seed=7, bias=True, lead=(2,))
+    mask = torch.rand(2, 15, generator=torch.Generator().manual_seed(1)) < 0.4
+    coef = torch.randn(2, 15)
+    results = []
+    for m in (None, mask):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = token_logprobs_and_entropy(hh, ids, ww, b, chunk_size=4, mask=m)
+        (lp * coef * mask).sum().backward()
+        results.append((lp, ent, hh.grad, ww.grad))
+    (lp_all, ent_all, gh_all, gw_all), (lp_m, ent_m, gh_m, gw_m) = results
+    sel = mask.clone()
+    sel[:, 0] = False  # nothing predicts token 0
+    torch.testing.assert_close(lp_m[sel], lp_all[sel])
+    torch.testing.assert_close(ent_m[sel], ent_all[sel])
+    assert torch.all(lp_m[~sel] == 0) and torch.all(ent_m[~sel] == 0)
+    torch.testing.assert_close(gh_m, gh_all)
+    torch.testing.assert_close(gw_m, gw_all)
+
+
 def test_gradients_equal_naive():
     h, w, b, ids = _inputs(70, 16, 3000, seed=3, bias=True)
     coef = torch.randn(70, generator=torch.Generator().manual_seed(4))
