@@ -24,7 +24,7 @@ from .ids import call_id, new_turn_id
 from .metrics import Metrics
 from .records import TurnRecord
 from .settings import Settings
-from .store import Store
+from .store import Conflict, Store
 from .turn_types import TokensCallback, TurnRequest, TurnResult
 
 log = logging.getLogger("splice.sessions")
@@ -218,7 +218,11 @@ class TurnRunner:
                 model=req.model or self.model_name,
             )
             t_commit = time.perf_counter()
-            await asyncio.to_thread(self._commit, req, plan, result, session is None)
+            try:
+                await asyncio.to_thread(self._commit, req, plan, result, session is None)
+            except Conflict as exc:  # rewarded while this turn was generating, or a different group
+                now = self.store.get_session(plan.session_id)
+                raise APIError(409, str(exc), code="session_closed" if now is not None and now.closed else "session_conflict") from exc
             self.metrics.stage_seconds.labels("commit").observe(time.perf_counter() - t_commit)
         self._count(req, plan, gen, parsed)
         self.metrics.proxy_seconds.observe(max(0.0, time.perf_counter() - t_start - gen.engine_time_s))

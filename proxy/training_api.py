@@ -201,7 +201,7 @@ def training_router(tr: Trainer) -> APIRouter:
             {
                 "version": tr.pool.version,
                 "paused": tr.pool.paused,
-                "inflight": pool_status.get("inflight", 0),
+                "inflight": pool_status.get("in_flight", 0),
                 "engines": pool_status,
                 "store": _plain(stats),
                 "owed_recompute_turns": owed,
