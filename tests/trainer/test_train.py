@@ -174,6 +174,11 @@ def test_cli_flags(monkeypatch, tmp_path):
     assert cfg.lr == 2e-6 and cfg.c_clip == 3.0 and cfg.max_staleness is None and cfg.publish is False
     assert cfg.admin_token == "from-env" and cfg.behav_weight == "decoupled" and cfg.ppo_n_minibatches == 2
     assert config_from_argv(["--proxy", "u", "--model", "m", "--admin-token", "x"]).admin_token == "x"
+    monkeypatch.setenv("SPLICE_TRAIN_PROXIES", "http://c:3,http://d:4")
+    monkeypatch.setenv("SPLICE_TRAIN_GRADIENT_CHECKPOINTING", "true")
+    from_env = config_from_argv(["--model", "/m"])
+    assert from_env.proxies == ["http://c:3", "http://d:4"] and from_env.gradient_checkpointing is True
+    monkeypatch.delenv("SPLICE_TRAIN_PROXIES")
     with pytest.raises(ValueError, match="proxy"):
         main(["--model", "/m"])
 
