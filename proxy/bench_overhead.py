@@ -62,7 +62,7 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=Fa
 
 def add_parser(sub) -> None:
     p = sub.add_parser("overhead", help="latency Splice adds in front of a zero-latency SGLang stand-in")
-    p.add_argument("--concurrency", "-c", type=int, default=8)
+    p.add_argument("--concurrency", "-c", type=int, nargs="+", default=[1, 8])
     p.add_argument("--turns", type=int, default=15, help="turns per session")
     p.add_argument("--sessions-per-worker", type=int, default=2)
     p.add_argument("--out")
@@ -210,12 +210,16 @@ def run(args) -> dict:
         purl = f"http://127.0.0.1:{pport}"
         _wait_http(purl + "/v1/models", procs[-1])
 
-        c, spw, turns = args.concurrency, args.sessions_per_worker, args.turns
+        spw, turns = args.sessions_per_worker, args.turns
+        ftools = [{"type": "function", "function": tool_spec}]
         # warm-up (connections, caches, first-request costs)
         asyncio.run(_run_direct(surl, 2, 1, 3, prompt0, out_ids, tail))
-        asyncio.run(_run_splice(purl, 2, 1, 3, [{"type": "function", "function": tool_spec}]))
-        lat_d, wall_d = asyncio.run(_run_direct(surl, c, spw, turns, prompt0, out_ids, tail))
-        lat_s, wall_s, errors = asyncio.run(_run_splice(purl, c, spw, turns, [{"type": "function", "function": tool_spec}]))
+        asyncio.run(_run_splice(purl, 2, 1, 3, ftools))
+        runs = []
+        for c in args.concurrency:
+            lat_d, wall_d = asyncio.run(_run_direct(surl, c, spw, turns, prompt0, out_ids, tail))
+            lat_s, wall_s, errors = asyncio.run(_run_splice(purl, c, spw, turns, ftools))
+            runs.append((c, _stats(lat_d, wall_d), _stats(lat_s, wall_s) if lat_s else None, errors))
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -223,19 +227,22 @@ def run(args) -> dict:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
-    d, s = _stats(lat_d, wall_d), (_stats(lat_s, wall_s) if lat_s else None)
-    rows = [["(a) stand-in direct, /generate", f"{d['turns_per_s']:.0f}", f"{d['p50_ms']:.2f}", f"{d['p99_ms']:.2f}"]]
-    if s:
-        rows.append(["(b) Splice, /v1/chat/completions", f"{s['turns_per_s']:.0f}", f"{s['p50_ms']:.2f}", f"{s['p99_ms']:.2f}"])
-        rows.append(["added by Splice", "", f"{s['p50_ms'] - d['p50_ms']:.2f}", f"{s['p99_ms'] - d['p99_ms']:.2f}"])
-    print(f"Overhead: {c} concurrent sessions x {spw} sessions each x {turns} turns, zero-latency SGLang stand-in, "
-          f"{len(out_ids)} output tokens/turn; all processes share this machine's {os.cpu_count()} cores")
-    print(_table(["target", "turns/s", "p50 ms", "p99 ms"], rows))
-    if errors:
-        print(f"errors: {len(errors)}; first: {errors[0]}")
+    rows, out_runs = [], []
+    for c, d, s, errors in runs:
+        rows.append([c, "(a) stand-in direct, /generate", f"{d['turns_per_s']:.0f}", f"{d['p50_ms']:.2f}", f"{d['p99_ms']:.2f}"])
+        if s:
+            rows.append([c, "(b) Splice, /v1/chat/completions", f"{s['turns_per_s']:.0f}", f"{s['p50_ms']:.2f}", f"{s['p99_ms']:.2f}"])
+            rows.append([c, "added by Splice", "", f"{s['p50_ms'] - d['p50_ms']:.2f}", f"{s['p99_ms'] - d['p99_ms']:.2f}"])
+        out_runs.append({"concurrency": c, "direct": d, "splice": s, "errors": errors[:5],
+                         "added_p50_ms": (s["p50_ms"] - d["p50_ms"]) if s else None,
+                         "added_p99_ms": (s["p99_ms"] - d["p99_ms"]) if s else None})
+    print(f"Overhead: C concurrent sessions x {spw} sessions each x {turns} turns, zero-latency SGLang stand-in, "
+          f"{len(out_ids)} output tokens/turn; stand-in, Splice and load generator share this machine's {os.cpu_count()} cores")
+    print(_table(["C", "target", "turns/s", "p50 ms", "p99 ms"], rows))
+    for c, _d, _s, errors in runs:
+        if errors:
+            print(f"C={c}: {len(errors)} failed sessions; first: {errors[0]}")
     print("LiteLLM: not measured (not installed here).")
-    return {"bench": "overhead", "concurrency": c, "sessions_per_worker": spw, "turns_per_session": turns,
-            "output_tokens_per_turn": len(out_ids), "direct": d, "splice": s, "errors": errors[:5],
-            "added_p50_ms": (s["p50_ms"] - d["p50_ms"]) if s else None,
-            "added_p99_ms": (s["p99_ms"] - d["p99_ms"]) if s else None,
+    return {"bench": "overhead", "sessions_per_worker": spw, "turns_per_session": turns,
+            "output_tokens_per_turn": len(out_ids), "runs": out_runs,
             "litellm": "skipped (not installed)", "cpu_count": os.cpu_count()}
