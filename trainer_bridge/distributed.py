@@ -23,6 +23,7 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # setup() created the process group, so teardown() destroys it
 
     @property
     def enabled(self) -> bool:
@@ -47,15 +48,16 @@ def setup(device_preference: str = "auto", timeout_s: float = 3600.0) -> Dist:
     device = pick_device(device_preference, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1 and not torch_dist.is_initialized():
+    owns_group = world_size > 1 and not torch_dist.is_initialized()
+    if owns_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
         # generous timeout: rank 0 may long-poll the proxy while the others wait in a broadcast
         torch_dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, owns_group=owns_group)
 
 
 def teardown(dist: Dist) -> None:
-    if dist.enabled and torch_dist.is_initialized():
+    if dist.owns_group and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
 
 

@@ -75,6 +75,7 @@ def main(model_dir: str, out_dir: str) -> None:
 
     result = {"grads": learner.optimizer.grads, "stats": stats, "history": history}
     torch.save(result, out / f"rank{dist.rank}.pt")
+    distributed.teardown(dist)
 
 
 if __name__ == "__main__":
