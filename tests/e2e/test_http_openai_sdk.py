@@ -286,3 +286,34 @@ def test_models_and_health(proxy):
     assert proxy.get("/health").json()["status"] == "ok"
     metrics = proxy.get("/metrics")
     assert metrics.status_code == 200 and "# TYPE" in metrics.text
+
+
+@pytest.mark.parametrize("cut", [{"stop": ["add those"]}, {"max_tokens": 12}])
+def test_turn_cut_by_stop_string_or_length_is_closed_by_the_bridge(proxy, cut):
+    """SPEC 3: the ids keep what was sampled (no end token here), and the next turn's bridge
+    starts with the tokens that close the unfinished assistant turn."""
+    sid = _sid()
+    client = _client(proxy, sid)
+    msgs = [{"role": "user", "content": "Add 2 and 3."}]
+    c = client.chat.completions.create(model="splice-model", messages=msgs, tools=CHAT_TOOLS, **cut)
+    choice = c.choices[0]
+    assert choice.finish_reason == ("stop" if "stop" in cut else "length")
+    assert not choice.message.tool_calls
+    msgs += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "Go on."}]
+    client.chat.completions.create(model="splice-model", messages=msgs, tools=CHAT_TOOLS)
+    t1, t2 = _session(proxy, sid)["turns"]
+    assert t2["spliced"], t2["fork_reason"]
+    out = t1["output_ids"]
+    assert 151645 not in out  # the turn was not closed by the model
+    if "max_tokens" in cut:
+        assert len(out) == cut["max_tokens"] and t1["finish_reason"] == "length"
+    else:
+        tok = __import__("transformers").AutoTokenizer.from_pretrained(_model_dir(proxy))
+        assert tok.decode(out).endswith("add those")  # the stop string's tokens are kept
+    full = t1["prompt_ids"] + out
+    assert t2["prompt_ids"][: len(full)] == full
+    assert t2["prompt_ids"][len(full)] == 151645  # <|im_end|> closes the cut turn
+
+
+def _model_dir(proxy) -> str:
+    return proxy.args[proxy.args.index("--reference-model") + 1]
