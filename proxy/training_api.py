@@ -26,7 +26,7 @@ class _Body(BaseModel):
 
 
 class RewardBody(_Body):
-    reward: float
+    reward: float = Field(allow_inf_nan=False)  # NaN or inf would poison every advantage in its group
 
 
 class PullBody(_Body):

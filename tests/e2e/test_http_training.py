@@ -193,6 +193,21 @@ def test_reward_conflicts_and_unknown_ids(proxy):
     assert _ack(proxy, pulled["lease_id"]).status_code == 200
 
 
+def test_non_finite_reward_is_400_and_changes_nothing(proxy):
+    sid = _two_turn_session(proxy)
+    for raw in (b'{"reward": NaN}', b'{"reward": Infinity}', b'{"reward": -Infinity}', b'{"reward": 1e999}'):
+        r = httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", content=raw, headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == 400, (raw, r.status_code, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    s = _session(proxy, sid)
+    assert s["reward"] is None and s["closed"] is False
+    assert _reward(proxy, sid, -0.5).status_code == 200
+    pulled = _pull(proxy)
+    (x,) = _mine(pulled, [sid])
+    assert x["reward"] == -0.5
+    assert _ack(proxy, pulled["lease_id"]).status_code == 200
+
+
 def test_pull_waits_for_a_reward(proxy):
     sid = _two_turn_session(proxy)
     import threading
