@@ -105,8 +105,9 @@ class RendererBridge:
 class GenericBridge:
     """Bridge for chat templates no hand-coded renderer covers (see module docstring)."""
 
-    def __init__(self, tokenizer, *, template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, tokenizer, *, template_kwargs: dict[str, Any] | None = None, encoder=None):
         self.tokenizer = tokenizer
+        self._encoder = encoder or tokenizer
         self.template_kwargs = dict(template_kwargs or {})
         self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
@@ -121,7 +122,7 @@ class GenericBridge:
         )
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return self._encoder.encode(text, add_special_tokens=False) if text else []
 
     @staticmethod
     def _context(history: list[Message]) -> list[Message]:

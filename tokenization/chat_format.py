@@ -14,6 +14,7 @@ from renderers.configs import DefaultRendererConfig
 
 from .bridge import BridgeResult, GenericBridge, RendererBridge
 from .conversation import Message, Tool, to_renderer_messages, to_renderer_tools
+from .fast_tokenizer import FastTokenizer
 from .loader import make_renderer
 from .parse import ParsedOutput, parse_output
 
@@ -41,14 +42,15 @@ class ChatFormat:
         self.renderer_name = renderer_name
         self.thinking_retention = thinking_retention
         self.template_kwargs = dict(template_kwargs or {})
+        fast = FastTokenizer(tokenizer)
         if renderer_name is not None:
             self.renderer = make_renderer(
-                tokenizer, renderer_name, thinking_retention=thinking_retention, template_kwargs=template_kwargs
+                fast, renderer_name, thinking_retention=thinking_retention, template_kwargs=template_kwargs
             )
             self._bridge = RendererBridge(self.renderer)
         else:
             self.renderer = _generic_renderer(tokenizer, template_kwargs)
-            self._bridge = GenericBridge(tokenizer, template_kwargs=template_kwargs)
+            self._bridge = GenericBridge(tokenizer, template_kwargs=template_kwargs, encoder=fast)
         self.render_calls = 0  # full renders done; lets tests prove the bridge does not re-render
 
     @property

@@ -74,6 +74,8 @@ class CountingTokenizer:
         self.rendered_messages = 0
 
     def __getattr__(self, name):
+        if name == "backend_tokenizer":  # route every encode through the counter
+            raise AttributeError(name)
         return getattr(self._tok, name)
 
     def encode(self, text, *a, **k):
@@ -116,5 +118,6 @@ def test_bridge_never_rerenders_the_history(qwen_tok, llama_style_tok):
     for make, base in ((lambda t: ChatFormat(t, "qwen3"), qwen_tok), (lambda t: ChatFormat(t, None), llama_style_tok)):
         costs = _bridge_cost(make, base, 40)
         assert all(c[2] == 0 for c in costs)  # no full render
+        assert costs[1][0] > 0  # the counter does see the bridge's encoding
         # work at turn 40 is the same as at turn 2: it does not grow with the conversation
         assert costs[-1][0] <= costs[1][0] + 4 and costs[-1][1] == costs[1][1]

@@ -1,0 +1,52 @@
+"""A thin tokenizer view for the hot path: encode straight through the Rust backend.
+
+``transformers``' ``encode`` spends most of its time in Python bookkeeping, and the
+`renderers` package probes any callable tokenizer for character offsets on every text segment
+(to attribute template scaffold vs. content, which Splice does not use). This view exposes the
+plain ``Tokenizer`` protocol only (no ``__call__``), so renderers take their one-pass
+``encode`` path; the ids are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PROBES = (
+    "hello world", "Hello.\n\n", '{"a": false}', "e\u0301 caf\u00e9 \u4f60\u597d \U0001f600",
+    "<|im_start|>user\nhi<|im_end|>\n", "  spaces\tand\ttabs  ", "<tool_call>\n{}\n</tool_call>",
+)
+
+
+class FastTokenizer:
+    """Wraps a Hugging Face tokenizer; ``encode`` uses the backend when it agrees on probes."""
+
+    def __init__(self, tokenizer: Any):
+        self._tok = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = None
+        if backend is not None:
+            try:
+                if all(backend.encode(p, add_special_tokens=False).ids == tokenizer.encode(p, add_special_tokens=False) for p in _PROBES):
+                    self._backend = backend
+            except Exception:
+                self._backend = None
+
+    @property
+    def wrapped(self) -> Any:
+        return self._tok
+
+    def encode(self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+        if self._backend is not None and not args and not kwargs and not add_special_tokens:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
+
+    def decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> str:
+        return self._tok.decode(token_ids, *args, **kwargs)
+
+    def convert_tokens_to_ids(self, tokens: Any) -> Any:
+        return self._tok.convert_tokens_to_ids(tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "__call__":  # keep renderers off the per-segment offset probe
+            raise AttributeError(name)
+        return getattr(self._tok, name)
