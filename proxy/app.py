@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -14,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenization import ChatFormat
 
-from . import auth
+from .guard import Guard
 from .errors import APIError, error_body
 from .metrics import Metrics
 from .sessions import TurnRunner
@@ -72,28 +71,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
         log.exception("unhandled error on %s", request.url.path)
         return ORJSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"), status_code=500)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        route = _route_label(path)
-        t0 = time.perf_counter()
-        try:
-            auth.check(path, request.headers.get("authorization"), api_key=settings.api_key, admin_token=settings.admin_token)
-            size = request.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > settings.max_request_bytes:
-                raise APIError(413, f"request body is larger than {settings.max_request_bytes} bytes", code="request_too_large")
-            if route in ("responses", "chat") and request.method == "POST" and metrics.inflight._value.get() >= settings.max_inflight:
-                raise APIError(429, "too many turns in flight; retry shortly", code="saturated", headers={"Retry-After": "1"})
-            response = await call_next(request)
-        except APIError as exc:
-            metrics.errors.labels(route, exc.code or str(exc.status)).inc()
-            metrics.requests.labels(route, str(exc.status)).inc()
-            return ORJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-        metrics.requests.labels(route, str(response.status_code)).inc()
-        if response.status_code >= 400:
-            metrics.errors.labels(route, str(response.status_code)).inc()
-        metrics.request_seconds.labels(route).observe(time.perf_counter() - t0)
-        return response
+    app.add_middleware(Guard, settings=settings, metrics=metrics)
 
     @app.get("/health")
     async def health():
@@ -116,18 +94,3 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
 
     return app
 
-
-def _route_label(path: str) -> str:
-    if path.startswith("/v1/responses"):
-        return "responses"
-    if path.startswith("/v1/chat/completions"):
-        return "chat"
-    if path.startswith("/v1/sessions"):
-        return "sessions"
-    if path.startswith("/v1/trajectories"):
-        return "trajectories"
-    if path.startswith("/admin"):
-        return "admin"
-    if path in ("/health", "/metrics", "/v1/models"):
-        return path.strip("/").replace("/", "_")
-    return "other"

@@ -278,12 +278,10 @@ class TurnRunner:
             api=req.api,
             response_id=result.response_id,
         )
-        store.add_turn(turn)
         # Fingerprints of the history this turn's answer extends, for the next request to find it.
         returned = req.messages + [self._returned_message(result)]
-        for key in _keys(returned, req):
-            store.put_fingerprint(key, turn.turn_id)
-            store.put_fingerprint(f"{session.session_id}|{key}", turn.turn_id)
+        keys = _keys(returned, req)
+        store.add_turn(turn, fingerprints=[*keys, *(f"{session.session_id}|{k}" for k in keys)])
         self._remember(turn.turn_id, plan.prompt_ids, turn.output_ids)
 
     def _returned_message(self, result: TurnResult) -> Message:

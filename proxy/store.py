@@ -24,6 +24,8 @@ asyncio app calls these methods directly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import math
 import os
 import sqlite3
@@ -401,8 +403,12 @@ class Store:
 
     # ------------------------------------------------------------ turns
 
-    def add_turn(self, turn: TurnRecord) -> None:
-        """Commit a finished turn (durable when this returns) and register its response id."""
+    def add_turn(self, turn: TurnRecord, *, fingerprints: Sequence[str] = ()) -> None:
+        """Commit a finished turn (durable when this returns) and register its response id.
+
+        ``fingerprints`` (history hashes that lead to this turn, see ``put_fingerprint``) are
+        written in the same transaction: one commit per turn on the hot path.
+        """
         turn.check()
         out = np.asarray(turn.output_ids, dtype=np.int64)
         prompt = np.asarray(turn.prompt_ids, dtype=np.int64)
@@ -459,6 +465,10 @@ class Store:
             seq = cur.lastrowid
             self._write_proximal(c, seq, logprobs, versions, prox, prox_versions)
             c.execute("INSERT INTO item_ids (item_id, turn_seq) VALUES (?, ?)", (turn.response_id, seq))
+            if fingerprints:
+                c.executemany(
+                    "INSERT OR REPLACE INTO fingerprints (fp, turn_seq) VALUES (?, ?)", [(fp, seq) for fp in fingerprints]
+                )
             committed = True
         if committed:  # only after COMMIT: a rolled-back seq may be reused by another turn
             with self._lock:
