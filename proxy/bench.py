@@ -191,6 +191,7 @@ def bench_store(args) -> dict:
         parent = None
         for t in range(args.turns):
             out = toks(args.output_tokens)
+            lps = [-rng.random() * 3 for _ in out]
             tid = f"{sid}-t{t}"
             store.add_turn(
                 TurnRecord(
@@ -200,9 +201,9 @@ def bench_store(args) -> dict:
                     parent_turn_id=parent,
                     prompt_ids=prompt,
                     output_ids=out,
-                    output_logprobs=[-rng.random() * 3 for _ in out],
+                    output_logprobs=lps,
                     versions=[0] * len(out),
-                    proximal_logprobs_t=[0.0] * len(out),
+                    proximal_logprobs_t=lps,  # not recomputed yet: equal to the behaviour logprobs
                     proximal_versions=[0] * len(out),
                     spliced=t > 0,
                     fork_reason=None,
@@ -212,7 +213,9 @@ def bench_store(args) -> dict:
                     drift=False,
                     api="chat",
                     response_id=f"resp_{tid}",
-                )
+                ),
+                # what the session layer writes per turn: 3 history hashes, global and session-scoped
+                fingerprints=[rng.randbytes(12) for _ in range(6)],
             )
             gen_tokens += len(out)
             prompt_tokens_logical += len(prompt)

@@ -9,6 +9,7 @@ before the response is returned.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -47,6 +48,12 @@ def _keys(messages: list[Message], req: TurnRequest) -> tuple[str, str, str]:
     tools = tools_fingerprint(req.tools)
     kwargs = repr(sorted((req.chat_template_kwargs or {}).items()))
     return f"x:{tools}:{kwargs}:{msgs}", f"t:{tools}:{msgs}", f"m:{msgs}"
+
+
+def _digest(key: str, session_id: str | None = None) -> bytes:
+    """The stored form of a fingerprint key: 12 bytes, optionally scoped to a session."""
+    scoped = f"{session_id}|{key}" if session_id else key
+    return hashlib.blake2b(scoped.encode(), digest_size=12).digest()
 
 
 class TurnRunner:
@@ -88,10 +95,10 @@ class TurnRunner:
         """The recorded turn for a history fingerprint, preferring the caller's session."""
         for key in keys:
             if session_id:
-                t = self.store.find_turn_by_fingerprint(f"{session_id}|{key}")
+                t = self.store.find_turn_by_fingerprint(_digest(key, session_id))
                 if t is not None:
                     return t
-            t = self.store.find_turn_by_fingerprint(key)
+            t = self.store.find_turn_by_fingerprint(_digest(key))
             if t is not None and (session_id is None or t.session_id == session_id):
                 return t
         return None
@@ -281,7 +288,7 @@ class TurnRunner:
         # Fingerprints of the history this turn's answer extends, for the next request to find it.
         returned = req.messages + [self._returned_message(result)]
         keys = _keys(returned, req)
-        store.add_turn(turn, fingerprints=[*keys, *(f"{session.session_id}|{k}" for k in keys)])
+        store.add_turn(turn, fingerprints=[*(_digest(k) for k in keys), *(_digest(k, session.session_id) for k in keys)])
         self._remember(turn.turn_id, plan.prompt_ids, turn.output_ids)
 
     def _returned_message(self, result: TurnResult) -> Message:
