@@ -209,7 +209,11 @@ class TurnRunner:
             finally:
                 self.metrics.inflight.dec()
             t_parse = time.perf_counter()
-            parsed = self.fmt.parse(gen.output_ids, prompt_ids=plan.prompt_ids, tools=req.tools, finish_reason=gen.finish_reason)
+            stop_text = gen.matched_stop if isinstance(gen.matched_stop, str) else None
+            parsed = self.fmt.parse(
+                gen.output_ids, prompt_ids=plan.prompt_ids, tools=req.tools, finish_reason=gen.finish_reason,
+                stop_text=stop_text,
+            )
             self.metrics.stage_seconds.labels("parse").observe(time.perf_counter() - t_parse)
             turn_id = req.turn_id or new_turn_id()
             result = TurnResult(

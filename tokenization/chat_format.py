@@ -96,8 +96,12 @@ class ChatFormat:
         prompt_ids: list[int] | None = None,
         tools: list[Tool] | None = None,
         finish_reason: str = "stop",
+        stop_text: str | None = None,
     ) -> ParsedOutput:
+        """``stop_text``: the stop string the engine matched; the text ends before it (as OpenAI's
+        does) while the recorded ids keep everything that was sampled."""
         tail = prompt_ids[-64:] if prompt_ids else None  # the parser reads only the assistant header
         return parse_output(
-            self.renderer, output_ids, prompt_ids=tail, tools=to_renderer_tools(tools), finish_reason=finish_reason
+            self.renderer, output_ids, prompt_ids=tail, tools=to_renderer_tools(tools), finish_reason=finish_reason,
+            stop_text=stop_text,
         )

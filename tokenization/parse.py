@@ -47,12 +47,18 @@ def parse_output(
     prompt_ids: list[int] | None = None,
     tools: list[dict] | None = None,
     finish_reason: str = "stop",
+    stop_text: str | None = None,
 ) -> ParsedOutput:
-    """Parse one turn's sampled ids. Malformed calls are appended to ``content`` as their raw text."""
+    """Parse one turn's sampled ids. Malformed calls are appended to ``content`` as their raw text.
+
+    ``stop_text`` (a matched stop string) and whatever follows it are cut from the content.
+    """
     parsed = renderer.parse_response(list(output_ids), tools=tools, prompt_ids=prompt_ids)
     calls: list[ParsedCall] = []
     bad: list[MalformedCall] = []
     content = parsed.content or ""
+    if stop_text and stop_text in content:
+        content = content[: content.index(stop_text)]
     for tc in parsed.tool_calls:
         if tc.status == ToolCallParseStatus.OK and tc.name:
             args = tc.arguments

@@ -310,6 +310,7 @@ def test_turn_cut_by_stop_string_or_length_is_closed_by_the_bridge(proxy, cut):
     else:
         tok = __import__("transformers").AutoTokenizer.from_pretrained(_model_dir(proxy))
         assert tok.decode(out).endswith("add those")  # the stop string's tokens are kept
+        assert "add those" not in choice.message.content  # but the text ends before it, as OpenAI's does
     full = t1["prompt_ids"] + out
     assert t2["prompt_ids"][: len(full)] == full
     assert t2["prompt_ids"][len(full)] == 151645  # <|im_end|> closes the cut turn

@@ -56,3 +56,10 @@ def test_thinking_retention_maps_onto_the_renderer(qwen_tok):
     cf = ChatFormat(qwen_tok, "qwen3", thinking_retention="tool_cycle")
     res = cf.bridge(cf.render(hist), out, [Message("tool", "r", tool_call_id="c")], history=hist + [asst])
     assert res.ok
+
+
+def test_matched_stop_string_is_cut_from_the_text_not_from_the_ids(qwen3, qwen_tok):
+    ids = enc(qwen_tok, "one two three END and more")
+    p = qwen3.parse(ids, stop_text="END")
+    assert p.content == "one two three "
+    assert qwen3.parse(ids).content == "one two three END and more"
