@@ -8,7 +8,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse, Response
+from fastapi.responses import Response
+
+from .json_response import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenization import ChatFormat
@@ -42,7 +44,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
             await pool.close()
             store.close()
 
-    app = FastAPI(title="Splice", lifespan=lifespan, default_response_class=ORJSONResponse)
+    app = FastAPI(title="Splice", lifespan=lifespan, default_response_class=JSONResponse)
     app.state.runner = runner
     app.state.store = store
     app.state.pool = pool
@@ -58,18 +60,18 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return ORJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return ORJSONResponse(error_body(400, f"{where}: {first.get('msg', 'invalid request')}", code="invalid_request", param=where or None), status_code=400)
+        return JSONResponse(error_body(400, f"{where}: {first.get('msg', 'invalid request')}", code="invalid_request", param=where or None), status_code=400)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return ORJSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"), status_code=500)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"), status_code=500)
 
     app.add_middleware(Guard, settings=settings, metrics=metrics)
 

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse
+from .json_response import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engines.types import EngineError
@@ -117,7 +117,7 @@ def training_router(tr: Trainer) -> APIRouter:
                 "drift_avoided": sum(bool(t.drift) for t in turns),
             }
         )
-        return ORJSONResponse(body)
+        return JSONResponse(body)
 
     @r.post("/v1/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request):
@@ -128,7 +128,7 @@ def training_router(tr: Trainer) -> APIRouter:
             raise APIError(404, f"No session with id '{session_id}'.", code="session_not_found")
         except Conflict as exc:
             raise APIError(409, str(exc), code="session_closed")
-        return ORJSONResponse(session.to_dict())
+        return JSONResponse(session.to_dict())
 
     @r.post("/v1/trajectories/pull")
     async def pull(request: Request):
@@ -143,7 +143,7 @@ def training_router(tr: Trainer) -> APIRouter:
             if samples or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
-        return ORJSONResponse({"lease_id": lease_id if samples else None, "samples": samples})
+        return JSONResponse({"lease_id": lease_id if samples else None, "samples": samples})
 
     @r.post("/v1/trajectories/ack")
     async def ack(request: Request):
@@ -154,7 +154,7 @@ def training_router(tr: Trainer) -> APIRouter:
             raise APIError(404, str(exc), code="lease_not_found")
         except Conflict as exc:
             raise APIError(409, str(exc), code="lease_expired")
-        return ORJSONResponse({"lease_id": body.lease_id, "acked": True, "detail": _plain(out)})
+        return JSONResponse({"lease_id": body.lease_id, "acked": True, "detail": _plain(out)})
 
     @r.post("/admin/pause")
     async def pause():
@@ -164,7 +164,7 @@ def training_router(tr: Trainer) -> APIRouter:
         except EngineError as exc:
             log.warning("recompute before pause failed: %s", exc)
         await _engine(tr.pool.pause())
-        return ORJSONResponse({"paused": True, "version": tr.pool.version, "recomputed_tokens": owed})
+        return JSONResponse({"paused": True, "version": tr.pool.version, "recomputed_tokens": owed})
 
     @r.post("/admin/update_weights")
     async def update_weights(request: Request):
@@ -175,7 +175,7 @@ def training_router(tr: Trainer) -> APIRouter:
         tr.metrics.version.set(tr.pool.version)
         if not tr.pool.paused:
             tr.recompute_soon()
-        return ORJSONResponse({"success": True, "version": tr.pool.version})
+        return JSONResponse({"success": True, "version": tr.pool.version})
 
     @r.post("/admin/version")
     async def set_version(request: Request):
@@ -184,20 +184,20 @@ def training_router(tr: Trainer) -> APIRouter:
         tr.metrics.version.set(body.version)
         if not tr.pool.paused:
             tr.recompute_soon()
-        return ORJSONResponse({"version": tr.pool.version})
+        return JSONResponse({"version": tr.pool.version})
 
     @r.post("/admin/resume")
     async def resume():
         await _engine(tr.pool.resume())
         tr.recompute_soon()
-        return ORJSONResponse({"paused": False, "version": tr.pool.version})
+        return JSONResponse({"paused": False, "version": tr.pool.version})
 
     @r.get("/admin/status")
     async def status():
         stats = await asyncio.to_thread(store.stats)
         owed = await asyncio.to_thread(store.owed_turn_count, tr.pool.version)
         pool_status = tr.pool.status()
-        return ORJSONResponse(
+        return JSONResponse(
             {
                 "version": tr.pool.version,
                 "paused": tr.pool.paused,
