@@ -1,71 +1,54 @@
-"""``splice bench overhead``: latency Splice adds in front of a zero-latency SGLang ``/generate``.
+"""``splice bench overhead``: what a proxy adds in front of a zero-latency engine.
 
-A stand-in process answers ``/generate`` instantly with fixed tokens and logprobs (an assistant
-turn with a ``<think>`` block and one tool call, closed by ``<|im_end|>``). A load generator runs
-C concurrent multi-turn sessions with httpx against (a) the stand-in directly, in token space, and
-(b) ``splice serve --engine sglang`` in front of it, over ``/v1/chat/completions``.
+Three processes besides this one, so that each one's CPU can be read on its own:
+
+* the engine stand-in (``bench_standin.py``): SGLang ``/generate`` and OpenAI ``/v1/chat/completions``
+  answered instantly with a fixed assistant turn carrying one tool call;
+* the proxies: Splice (``splice serve --engine sglang``) and, when it can be installed, LiteLLM's
+  proxy (in its own venv under ``~/.cache/splice``, never in the project's), both in front of it;
+* the load generator (``bench_loadgen.py``), a fresh process per phase, running C concurrent
+  multi-turn tool-using sessions.
+
+For each concurrency level the targets are measured back to back (interleaved), so drift in the
+machine's state affects all of them alike. Around each phase we read the proxy's CPU time from
+``/proc`` and, for Splice, its ``/metrics`` histograms, and report deltas per turn.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
+import math
 import os
+import re
+import secrets
+import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-_STANDIN = r"""
-import json, sys
-import orjson, uvicorn
-port = int(sys.argv[1]); out_ids = json.loads(sys.argv[2]); stop_id = int(sys.argv[3])
-triples = [[-0.5, t, None] for t in out_ids]
-
-async def app(scope, receive, send):
-    if scope["type"] == "lifespan":
-        while True:
-            m = await receive()
-            if m["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif m["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"}); return
-    body = b""
-    while True:
-        m = await receive()
-        body += m.get("body", b"")
-        if not m.get("more_body"):
-            break
-    path = scope["path"]
-    if path == "/generate":
-        req = orjson.loads(body)
-        n = len(req.get("input_ids") or [])
-        out = {"text": "", "output_ids": out_ids, "meta_info": {
-            "id": req.get("rid", "r"), "finish_reason": {"type": "stop", "matched": stop_id},
-            "prompt_tokens": n, "completion_tokens": len(out_ids), "cached_tokens": 0,
-            "weight_version": "0", "input_token_logprobs": [], "output_token_logprobs": triples,
-            "e2e_latency": 0.0}}
-    elif path in ("/model_info", "/get_model_info"):
-        out = {"model_path": "/standin", "is_generation": True, "weight_version": "0"}
-    else:
-        out = {"success": True}
-    data = orjson.dumps(out)
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
-
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-"""
+HERE = Path(__file__).resolve().parent
+LITELLM_VENV = Path.home() / ".cache" / "splice" / "bench-venv-litellm"
+STAGES = ("bridge", "render", "parse", "commit")
+SYSTEM = "You are a careful agent. Use the tool f to make progress."
+USER = "Run the computation until it reaches the end, one step at a time."
+TOOL = {"name": "f", "description": "Advance the computation by one step.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("overhead", help="latency Splice adds in front of a zero-latency SGLang stand-in")
-    p.add_argument("--concurrency", "-c", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--turns", type=int, default=15, help="turns per session")
-    p.add_argument("--sessions-per-worker", type=int, default=2)
+    p = sub.add_parser("overhead", help="latency and CPU Splice (and LiteLLM) add in front of a zero-latency engine")
+    p.add_argument("--concurrency", "-c", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--turns", type=int, default=12, help="turns per session at low C (fewer at high C, at least 4)")
+    p.add_argument("--min-turns", type=int, default=300, help="turns per phase to aim for (sets sessions per worker)")
+    p.add_argument("--phase-timeout", type=float, default=45.0, help="seconds after which a phase starts no new turns")
+    p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (no install, no start)")
     p.add_argument("--out")
+
+
+# ---------------------------------------------------------------- processes
 
 
 def _free_port() -> int:
@@ -74,98 +57,168 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> str | None:
+    """None once ``url`` answers; otherwise why not."""
     import httpx
 
     t0 = time.time()
     while time.time() - t0 < timeout:
         if proc.poll() is not None:
-            raise SystemExit(f"process for {url} exited with {proc.returncode}")
+            return f"exited with {proc.returncode}"
         try:
-            httpx.get(url, timeout=1.0)
-            return
+            if httpx.get(url, timeout=2.0).status_code < 500:
+                return None
         except httpx.HTTPError:
-            time.sleep(0.2)
-    raise SystemExit(f"{url} did not come up in {timeout}s")
+            pass
+        time.sleep(0.3)
+    return f"did not answer {url} in {timeout:.0f}s"
 
 
-def _stats(lat: list[float], wall: float) -> dict:
-    lat = sorted(lat)
+def _cpu_seconds(pid: int) -> float:
+    """utime+stime of ``pid``, its reaped children, and its live descendants (uvicorn/gunicorn workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, list[str]]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                raw = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            f = raw[raw.rindex(")") + 2:].split()
+            stats[int(d)] = (int(f[1]), f)  # (ppid, fields after the command name)
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        if p not in stats:
+            continue
+        f = stats[p][1]
+        total += int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])  # utime stime cutime cstime
+        todo += [q for q, (pp, _) in stats.items() if pp == p]
+    return total / tick
+
+
+_METRIC = re.compile(r'^(splice_(?:stage|engine|proxy)_seconds)_(sum|count)(?:\{stage="(\w+)"\})? ([0-9.eE+-]+)$')
+
+
+def _splice_metrics(url: str) -> dict[str, float]:
+    """``{"bridge_sum": s, "bridge_count": n, ..., "engine_sum": ..., "proxy_count": ...}`` from Prometheus text."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10.0).text.splitlines():
+        m = _METRIC.match(line)
+        if m:
+            name, kind, stage, val = m.groups()
+            key = stage or name.split("_")[1]
+            out[f"{key}_{kind}"] = float(val)
+    return out
+
+
+def _litellm_start(tmp: str, upstream: str, key: str, procs: list) -> tuple[str | None, subprocess.Popen | None, str]:
+    """(url, process, note). Installs LiteLLM into its own venv on first use; url is None when it cannot run."""
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists():
+        print(f"installing LiteLLM into {LITELLM_VENV} (first use only) ...", flush=True)
+        try:
+            LITELLM_VENV.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([shutil.which("python3") or "python3", "-m", "venv", str(LITELLM_VENV)], check=True, capture_output=True)
+            subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"],
+                           check=True, capture_output=True, timeout=900)
+        except (subprocess.SubprocessError, OSError) as e:
+            err = getattr(e, "stderr", b"") or b""
+            return None, None, f"install failed: {e} {err.decode(errors='replace')[-300:]}"
+    cfg = os.path.join(tmp, "litellm.yaml")
+    with open(cfg, "w") as f:
+        f.write(
+            "model_list:\n"
+            "  - model_name: standin\n"
+            "    litellm_params:\n"
+            "      model: openai/standin\n"
+            f"      api_base: {upstream}/v1\n"
+            "      api_key: dummy\n"
+            "litellm_settings:\n"
+            "  telemetry: false\n"
+            "  drop_params: true\n"
+            "  turn_off_message_logging: true\n"
+            "general_settings:\n"
+            "  disable_spend_logs: true\n"
+            "  disable_error_logs: true\n"
+        )
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "PYTHONPATH", "VIRTUAL_ENV")}
+    # No DB, no remote cost-map fetch, errors only on the console.
+    env.update(LITELLM_LOG="ERROR", LITELLM_LOCAL_MODEL_COST_MAP="True", DISABLE_SCHEMA_UPDATE="true")
+    # It refuses to start without a strong master key; a fresh one per run, sent by the load generator.
+    env["LITELLM_MASTER_KEY"] = key
+    log = open(os.path.join(tmp, "litellm.log"), "wb")
+    proc = subprocess.Popen([str(exe), "--config", cfg, "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    why = _wait_http(url + "/health/liveliness", proc, timeout=120.0)
+    if why:
+        tail = Path(log.name).read_text(errors="replace")[-400:]
+        return None, proc, f"did not start ({why}): {tail}"
+    version = subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "show", "litellm"], capture_output=True, text=True).stdout
+    ver = next((ln.split(":", 1)[1].strip() for ln in version.splitlines() if ln.startswith("Version:")), "?")
+    return url, proc, f"litellm {ver}"
+
+
+# ---------------------------------------------------------------- phases
+
+
+def _shape(c: int, args) -> tuple[int, int]:
+    """(turns per session, sessions per worker): fewer turns at high C so C=256 stays bounded."""
+    turns = max(4, min(args.turns, 640 // c))
+    spw = max(1, math.ceil(args.min_turns / (c * turns)))
+    return turns, spw
+
+
+def _loadgen(spec: dict, tmp: str, timeout: float) -> dict:
+    path = os.path.join(tmp, "loadgen.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    r = subprocess.run([sys.executable, str(HERE / "bench_loadgen.py"), path], capture_output=True, timeout=timeout)
+    if r.returncode:
+        return {"lat": [], "wall_s": 0.0, "sessions": 0, "errors": [r.stderr.decode(errors="replace")[-400:]]}
+    return json.loads(r.stdout)
+
+
+def _stats(res: dict) -> dict:
+    lat = sorted(res["lat"])
+    if not lat:
+        return {"turns": 0, "errors": res["errors"][:5], "n_errors": len(res["errors"])}
     q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]  # noqa: E731
-    return {
-        "turns": len(lat),
-        "wall_s": wall,
-        "turns_per_s": len(lat) / wall,
-        "p50_ms": q(0.50) * 1e3,
-        "p99_ms": q(0.99) * 1e3,
-        "mean_ms": statistics.fmean(lat) * 1e3,
-    }
+    return {"turns": len(lat), "sessions": res["sessions"], "wall_s": res["wall_s"], "turns_per_s": len(lat) / res["wall_s"],
+            "p50_ms": q(0.50) * 1e3, "p99_ms": q(0.99) * 1e3, "mean_ms": sum(lat) / len(lat) * 1e3,
+            "n_errors": len(res["errors"]), "errors": res["errors"][:5], "timed_out": res.get("timed_out", False)}
 
 
-async def _run_direct(url: str, c: int, spw: int, turns: int, prompt0: list[int], out_ids: list[int], tail: list[int]):
-    import httpx
-
-    lat: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=httpx.Limits(max_connections=c)) as cl:
-
-        async def worker(w: int):
-            for s in range(spw):
-                ids = list(prompt0)
-                for t in range(turns):
-                    body = {
-                        "input_ids": ids,
-                        "sampling_params": {"max_new_tokens": 512, "temperature": 1.0, "skip_special_tokens": False, "no_stop_trim": True},
-                        "return_logprob": True,
-                        "logprob_start_len": -1,
-                        "rid": f"{w}-{s}-{t}",
-                        "stream": False,
-                    }
-                    t0 = time.perf_counter()
-                    r = await cl.post("/generate", json=body)
-                    r.raise_for_status()
-                    got = [int(x[1]) for x in r.json()["meta_info"]["output_token_logprobs"]]
-                    lat.append(time.perf_counter() - t0)
-                    ids = ids + got + tail
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(c)))
-        return lat, time.perf_counter() - t0
+def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, deadline: float) -> dict:
+    """One target at one C: load generator run, with proxy CPU and Splice metrics read around it."""
+    spec = {**base, **target["spec"], "c": c, "turns": turns, "sessions_per_worker": spw, "deadline_s": deadline,
+            "tag": f"{target['key']}-c{c}-{time.time_ns()}"}
+    pid = target.get("pid")
+    murl = target.get("metrics_url")
+    cpu0 = _cpu_seconds(pid) if pid else None
+    m0 = _splice_metrics(murl) if murl else None
+    res = _loadgen(spec, tmp, timeout=deadline + 120)
+    cpu1 = _cpu_seconds(pid) if pid else None
+    m1 = _splice_metrics(murl) if murl else None
+    st = _stats(res)
+    if pid and st["turns"]:
+        st["cpu_s"] = cpu1 - cpu0
+        st["cpu_ms_per_turn"] = (cpu1 - cpu0) / st["turns"] * 1e3
+    if murl and st["turns"]:
+        st["splice_ms_per_turn"] = {
+            k: ((m1.get(f"{k}_sum", 0) - m0.get(f"{k}_sum", 0)) / dn * 1e3)
+            if (dn := m1.get(f"{k}_count", 0) - m0.get(f"{k}_count", 0)) else None
+            for k in (*STAGES, "engine", "proxy")
+        }
+    return st
 
 
-async def _run_splice(url: str, c: int, spw: int, turns: int, tools: list[dict]):
-    import httpx
-
-    lat: list[float] = []
-    errors: list[str] = []
-    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=httpx.Limits(max_connections=c)) as cl:
-
-        async def worker(w: int):
-            for s in range(spw):
-                sid = f"bench-{w}-{s}-{time.time_ns()}"
-                msgs: list[dict] = [
-                    {"role": "system", "content": "You are a careful agent. Use the tool f to make progress."},
-                    {"role": "user", "content": "Run the computation until it reaches the end, one step at a time."},
-                ]
-                for t in range(turns):
-                    body = {"model": "splice-model", "messages": msgs, "tools": tools, "max_tokens": 512}
-                    t0 = time.perf_counter()
-                    r = await cl.post("/v1/chat/completions", json=body, headers={"X-Session-Id": sid})
-                    dt = time.perf_counter() - t0
-                    if r.status_code != 200:
-                        errors.append(f"{r.status_code}: {r.text[:200]}")
-                        return
-                    lat.append(dt)
-                    m = r.json()["choices"][0]["message"]
-                    msgs.append(m)
-                    calls = m.get("tool_calls") or []
-                    if not calls:
-                        errors.append("no tool call in reply")
-                        return
-                    msgs.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": json.dumps({"step": t, "ok": True})})
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(c)))
-        return lat, time.perf_counter() - t0, errors
+# ---------------------------------------------------------------- run
 
 
 def run(args) -> dict:
@@ -178,71 +231,122 @@ def run(args) -> dict:
     cf = ChatFormat(tok, "qwen3")
     text = '<think>\nI should call f.\n</think>\n\n<tool_call>\n{"name":"f","arguments":{"x":1}}\n</tool_call><|im_end|>'
     out_ids = list(tok.encode(text, add_special_tokens=False))
-    stop_id = tok.convert_tokens_to_ids("<|im_end|>")
-    tool_spec = {"name": "f", "description": "Advance the computation by one step.",
-                 "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}
-    tools = [Tool(**tool_spec)]
-    prompt0 = cf.render(
-        [Message(role="system", content="You are a careful agent. Use the tool f to make progress."),
-         Message(role="user", content="Run the computation until it reaches the end, one step at a time.")],
-        tools,
-    )
-    tail = list(tok.encode('\n<|im_start|>user\n<tool_response>\n{"step": 0, "ok": true}\n</tool_response><|im_end|>\n<|im_start|>assistant\n', add_special_tokens=False))
+    prompt_ids = cf.render([Message(role="system", content=SYSTEM), Message(role="user", content=USER)], [Tool(**TOOL)])
+    tail_ids = list(tok.encode('\n<|im_start|>user\n<tool_response>\n{"step": 0, "ok": true}\n</tool_response><|im_end|>\n'
+                               "<|im_start|>assistant\n", add_special_tokens=False))
+    base = {"host": "127.0.0.1", "prompt_ids": prompt_ids, "tail_ids": tail_ids,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+            "tools": [{"type": "function", "function": TOOL}]}
 
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="splice_bench_overhead_")
+    runs: list[dict] = []
+    litellm_note = "skipped (--no-litellm)"
     try:
+        spec_path = os.path.join(tmp, "standin.json")
+        with open(spec_path, "w") as f:
+            json.dump({"out_ids": out_ids, "stop_id": tok.convert_tokens_to_ids("<|im_end|>"), "reasoning": "I should call f.",
+                       "tool_call": {"name": "f", "arguments": '{"x": 1}'}}, f)
         sport = _free_port()
-        procs.append(subprocess.Popen([sys.executable, "-c", _STANDIN, str(sport), json.dumps(out_ids), str(stop_id)]))
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "bench_standin.py"), str(sport), spec_path]))
         surl = f"http://127.0.0.1:{sport}"
-        _wait_http(surl + "/health", procs[-1])
-        pport = _free_port()
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
-                 "serve", "--engine", "sglang", "--engine-url", surl, "--tokenizer", tok_dir, "--renderer", "qwen3",
-                 "--store", os.path.join(tmp, "splice.sqlite"), "--host", "127.0.0.1", "--port", str(pport)],
-                env=env,
-            )
-        )
-        purl = f"http://127.0.0.1:{pport}"
-        _wait_http(purl + "/v1/models", procs[-1])
+        if why := _wait_http(surl + "/health", procs[-1]):
+            raise SystemExit(f"engine stand-in: {why}")
 
-        spw, turns = args.sessions_per_worker, args.turns
-        ftools = [{"type": "function", "function": tool_spec}]
-        # warm-up (connections, caches, first-request costs)
-        asyncio.run(_run_direct(surl, 2, 1, 3, prompt0, out_ids, tail))
-        asyncio.run(_run_splice(purl, 2, 1, 3, ftools))
-        runs = []
+        pport = _free_port()
+        env = {**os.environ, "PYTHONPATH": str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        splice = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
+             "serve", "--engine", "sglang", "--engine-url", surl, "--tokenizer", tok_dir, "--renderer", "qwen3",
+             "--store", os.path.join(tmp, "splice.sqlite"), "--host", "127.0.0.1", "--port", str(pport)], env=env)
+        procs.append(splice)
+        purl = f"http://127.0.0.1:{pport}"
+
+        lurl = lproc = None
+        lkey = "sk-" + secrets.token_hex(32)
+        if not args.no_litellm:
+            lurl, lproc, litellm_note = _litellm_start(tmp, surl, lkey, procs)
+            if not lurl:
+                print(f"LiteLLM: {litellm_note}; continuing without it.", flush=True)
+        if why := _wait_http(purl + "/v1/models", splice):
+            raise SystemExit(f"splice serve: {why}")
+
+        targets = [
+            {"key": "direct_generate", "label": "(a) stand-in /generate", "spec": {"mode": "generate", "port": sport}},
+            {"key": "direct_chat", "label": "(a) stand-in /v1/chat", "spec": {"mode": "chat", "port": sport, "model": "standin"}},
+            {"key": "splice", "label": "(b) Splice", "pid": splice.pid, "metrics_url": purl,
+             "spec": {"mode": "chat", "port": pport, "model": "splice-model", "session_header": True}},
+        ]
+        if lurl:
+            targets.append({"key": "litellm", "label": "(c) LiteLLM", "pid": lproc.pid,
+                            "spec": {"mode": "chat", "port": int(lurl.rsplit(":", 1)[1]), "model": "standin",
+                                     "headers": {"Authorization": f"Bearer {lkey}"}}})
+        for t in targets:  # warm-up: connections, imports on first request, caches
+            w = _phase(t, 4, 3, 2, base, tmp, 30.0)
+            if not w["turns"]:
+                print(f"warm-up of {t['label']} failed: {w['errors'][:1]}", flush=True)
+
         for c in args.concurrency:
-            lat_d, wall_d = asyncio.run(_run_direct(surl, c, spw, turns, prompt0, out_ids, tail))
-            lat_s, wall_s, errors = asyncio.run(_run_splice(purl, c, spw, turns, ftools))
-            runs.append((c, _stats(lat_d, wall_d), _stats(lat_s, wall_s) if lat_s else None, errors))
+            turns, spw = _shape(c, args)
+            print(f"C={c}: {spw} session(s)/worker x {turns} turns ...", flush=True)
+            row = {"concurrency": c, "turns_per_session": turns, "sessions_per_worker": spw}
+            for t in targets:
+                row[t["key"]] = _phase(t, c, turns, spw, base, tmp, args.phase_timeout)
+            runs.append(row)
     finally:
         for p in reversed(procs):
             p.terminate()
             try:
-                p.wait(10)
+                p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
-    rows, out_runs = [], []
-    for c, d, s, errors in runs:
-        rows.append([c, "(a) stand-in direct, /generate", f"{d['turns_per_s']:.0f}", f"{d['p50_ms']:.2f}", f"{d['p99_ms']:.2f}"])
-        if s:
-            rows.append([c, "(b) Splice, /v1/chat/completions", f"{s['turns_per_s']:.0f}", f"{s['p50_ms']:.2f}", f"{s['p99_ms']:.2f}"])
-            rows.append([c, "added by Splice", "", f"{s['p50_ms'] - d['p50_ms']:.2f}", f"{s['p99_ms'] - d['p99_ms']:.2f}"])
-        out_runs.append({"concurrency": c, "direct": d, "splice": s, "errors": errors[:5],
-                         "added_p50_ms": (s["p50_ms"] - d["p50_ms"]) if s else None,
-                         "added_p99_ms": (s["p99_ms"] - d["p99_ms"]) if s else None})
-    print(f"Overhead: C concurrent sessions x {spw} sessions each x {turns} turns, zero-latency SGLang stand-in, "
-          f"{len(out_ids)} output tokens/turn; stand-in, Splice and load generator share this machine's {os.cpu_count()} cores")
-    print(_table(["C", "target", "turns/s", "p50 ms", "p99 ms"], rows))
-    for c, _d, _s, errors in runs:
-        if errors:
-            print(f"C={c}: {len(errors)} failed sessions; first: {errors[0]}")
-    print("LiteLLM: not measured (not installed here).")
-    return {"bench": "overhead", "sessions_per_worker": spw, "turns_per_session": turns,
-            "output_tokens_per_turn": len(out_ids), "runs": out_runs,
-            "litellm": "skipped (not installed)", "cpu_count": os.cpu_count()}
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    _print(runs, targets, len(out_ids), litellm_note, _table)
+    return {"bench": "overhead", "output_tokens_per_turn": len(out_ids), "cpu_count": os.cpu_count(),
+            "litellm": litellm_note, "targets": {t["key"]: t["label"] for t in targets}, "runs": runs,
+            "method": "zero-latency stand-in; load generator, stand-in and each proxy in separate processes on one machine; "
+                      "latency measured by the load generator; CPU from /proc utime+stime (+children) around each phase; "
+                      "Splice stages from /metrics sum/count deltas per phase"}
+
+
+def _f(x, fmt: str = "{:.2f}") -> str:
+    return "" if x is None else fmt.format(x)
+
+
+def _print(runs: list[dict], targets: list[dict], n_out: int, litellm_note: str, _table) -> None:
+    rows = []
+    for r in runs:
+        c, chat = r["concurrency"], r["direct_chat"]
+        for t in targets:
+            s = r[t["key"]]
+            if not s["turns"]:
+                rows.append([c, t["label"], "failed", "", "", "", "", "", ""])
+                continue
+            proxied = t.get("pid") is not None and chat.get("turns")
+            rows.append([
+                c, t["label"], s["turns"], _f(s["turns_per_s"], "{:.0f}"), _f(s["p50_ms"]), _f(s["p99_ms"]),
+                _f(s["p50_ms"] - chat["p50_ms"]) if proxied else "", _f(s["p99_ms"] - chat["p99_ms"]) if proxied else "",
+                _f(s.get("cpu_ms_per_turn")),
+            ])
+    print(f"\nOverhead over a zero-latency engine stand-in ({n_out} output tokens/turn, one tool call per turn); "
+          f"load generator, stand-in and proxies share this machine's {os.cpu_count()} cores.")
+    print("added = proxy minus the stand-in's own /v1/chat/completions at the same C; CPU = proxy process (+children) per turn.")
+    print(_table(["C", "target", "turns", "turns/s", "p50 ms", "p99 ms", "added p50", "added p99", "proxy CPU ms/turn"], rows))
+
+    rows = []
+    for r in runs:
+        b = r["splice"].get("splice_ms_per_turn")
+        if b:
+            rows.append([r["concurrency"], *(_f(b[k], "{:.3f}") for k in (*STAGES, "proxy", "engine"))])
+    if rows:
+        print("\nSplice's own breakdown from /metrics, mean ms per turn (proxy = wall time minus engine time):")
+        print(_table(["C", *STAGES, "proxy total", "engine"], rows))
+    for r in runs:
+        for t in targets:
+            s = r[t["key"]]
+            if s.get("n_errors"):
+                print(f"C={r['concurrency']} {t['label']}: {s['n_errors']} errors; first: {s['errors'][0][:200]}")
+            if s.get("timed_out"):
+                print(f"C={r['concurrency']} {t['label']}: hit --phase-timeout; fewer turns than planned")
+    print(f"LiteLLM: {litellm_note}")

@@ -1,0 +1,161 @@
+"""Load generator for ``splice bench overhead``: ``python bench_loadgen.py SPEC.json`` prints JSON results.
+
+Runs in its own process so its CPU is not mixed with the orchestrating process or the proxies.
+C workers each run their sessions back to back; a session is a multi-turn tool-using
+conversation: every reply must carry a tool call, which is answered with a tool message and
+sent back with the whole history (or, in token space, the ids grow by output + tool turn).
+
+The HTTP client is a minimal HTTP/1.1 keep-alive client on asyncio streams, one connection per
+worker: a general client such as httpx costs around a millisecond of CPU per request, which on
+a small machine would be charged against every target and blur the differences being measured.
+Every loop is bounded in count (sessions x turns) and in time (``deadline_s``, per-request timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import orjson
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection; reopened when the server closes it."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.r: asyncio.StreamReader | None = None
+        self.w: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        for attempt in (0, 1):
+            if self.w is None:
+                self.r, self.w = await asyncio.open_connection(self.host, self.port)
+            try:
+                return await self._post(path, body, headers)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                self.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n{extra}\r\n").encode()
+        self.w.write(head + body)
+        await self.w.drain()
+        raw = await self.r.readuntil(b"\r\n\r\n")
+        lines = raw.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        hdrs = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+        if "content-length" in hdrs:
+            data = await self.r.readexactly(int(hdrs["content-length"]))
+        elif hdrs.get("transfer-encoding", "").lower() == "chunked":
+            parts = []
+            while True:
+                size = int((await self.r.readuntil(b"\r\n")).split(b";")[0], 16)
+                chunk = await self.r.readexactly(size + 2)
+                if size == 0:
+                    break
+                parts.append(chunk[:-2])
+            data = b"".join(parts)
+        else:
+            data = await self.r.read()
+            self.close()
+        if hdrs.get("connection", "").lower() == "close":
+            self.close()
+        return status, data
+
+    def close(self) -> None:
+        if self.w is not None:
+            self.w.close()
+        self.r = self.w = None
+
+
+async def run(spec: dict) -> dict:
+    host, port = spec["host"], spec["port"]
+    mode, c, spw, turns = spec["mode"], spec["c"], spec["sessions_per_worker"], spec["turns"]
+    deadline = time.perf_counter() + spec["deadline_s"]
+    timeout = spec.get("request_timeout_s", 30.0)
+    lat: list[float] = []
+    errors: list[str] = []
+    sessions = 0
+
+    async def chat_session(conn: Conn, name: str) -> None:
+        msgs = [dict(m) for m in spec["messages"]]
+        headers = {"X-Session-Id": name} if spec.get("session_header") else {}
+        headers.update(spec.get("headers") or {})
+        for t in range(turns):
+            if time.perf_counter() > deadline:
+                return
+            body = orjson.dumps({"model": spec["model"], "messages": msgs, "tools": spec["tools"], "max_tokens": 512})
+            t0 = time.perf_counter()
+            status, data = await asyncio.wait_for(conn.post("/v1/chat/completions", body, headers), timeout)
+            dt = time.perf_counter() - t0
+            if status != 200:
+                errors.append(f"{status}: {data[:200]!r}")
+                return
+            m = orjson.loads(data)["choices"][0]["message"]
+            calls = m.get("tool_calls") or []
+            if not calls:
+                errors.append(f"no tool call in reply: {data[:200]!r}")
+                return
+            lat.append(dt)
+            msgs.append({k: v for k, v in m.items() if v is not None})
+            msgs.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": f'{{"step": {t}, "ok": true}}'})
+
+    async def generate_session(conn: Conn, name: str) -> None:
+        ids = list(spec["prompt_ids"])
+        for t in range(turns):
+            if time.perf_counter() > deadline:
+                return
+            body = orjson.dumps({
+                "input_ids": ids, "rid": f"{name}-{t}", "stream": False, "return_logprob": True, "logprob_start_len": -1,
+                "sampling_params": {"max_new_tokens": 512, "temperature": 1.0, "skip_special_tokens": False, "no_stop_trim": True},
+            })
+            t0 = time.perf_counter()
+            status, data = await asyncio.wait_for(conn.post("/generate", body, {}), timeout)
+            dt = time.perf_counter() - t0
+            if status != 200:
+                errors.append(f"{status}: {data[:200]!r}")
+                return
+            got = [int(x[1]) for x in orjson.loads(data)["meta_info"]["output_token_logprobs"]]
+            lat.append(dt)
+            ids = ids + got + spec["tail_ids"]
+
+    session = generate_session if mode == "generate" else chat_session
+
+    async def worker(w: int) -> None:
+        nonlocal sessions
+        conn = Conn(host, port)
+        try:
+            for s in range(spw):
+                if time.perf_counter() > deadline:
+                    return
+                try:
+                    await session(conn, f"{spec.get('tag', 'bench')}-{w}-{s}")
+                    sessions += 1
+                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, KeyError) as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    conn.close()
+        finally:
+            conn.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(c)))
+    return {"lat": lat, "wall_s": time.perf_counter() - t0, "sessions": sessions, "errors": errors,
+            "timed_out": time.perf_counter() > deadline}
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], "rb") as f:
+        spec = orjson.loads(f.read())
+    try:
+        import uvloop  # noqa: F401  (cheaper event loop when available)
+
+        uvloop.install()
+    except ImportError:
+        pass
+    sys.stdout.buffer.write(orjson.dumps(asyncio.run(run(spec))))

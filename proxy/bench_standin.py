@@ -1,0 +1,95 @@
+"""Zero-latency engine stand-in for ``splice bench overhead``: ``python bench_standin.py PORT SPEC.json``.
+
+Runs in its own process so its CPU is never charged to the proxies being measured. It answers
+instantly with fixed replies, so every millisecond above it is the proxy's or the client's:
+
+* SGLang ``POST /generate``: fixed output ids and logprobs (an assistant turn with a ``<think>``
+  block and one tool call, closed by ``<|im_end|>``), as Splice expects from a real SGLang.
+* OpenAI ``POST /v1/chat/completions`` (non-streaming): a fixed assistant message with one tool
+  call and a ``usage`` block, the baseline for chat-shaped traffic and the upstream for LiteLLM.
+
+Plain ASGI (no framework) and pre-encoded bodies keep its own per-request cost as small as possible.
+Only needs uvicorn and orjson, so it does not import the project.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+
+import orjson
+import uvicorn
+
+
+def make_app(spec: dict):
+    out_ids = spec["out_ids"]
+    stop_id = spec["stop_id"]
+    triples = [[-0.5, t, None] for t in out_ids]
+    n_out = len(out_ids)
+    call = spec["tool_call"]  # {"name": ..., "arguments": "<json string>"}
+    reasoning = spec.get("reasoning", "")
+    counter = itertools.count()
+    info = orjson.dumps({"model_path": "/standin", "is_generation": True, "weight_version": "0"})
+    models = orjson.dumps({"object": "list", "data": [{"id": "standin", "object": "model", "owned_by": "bench"}]})
+    ok = orjson.dumps({"success": True})
+
+    def generate(body: bytes) -> bytes:
+        req = orjson.loads(body)
+        meta = {
+            "id": req.get("rid", "r"), "finish_reason": {"type": "stop", "matched": stop_id},
+            "prompt_tokens": len(req.get("input_ids") or []), "completion_tokens": n_out, "cached_tokens": 0,
+            "weight_version": "0", "input_token_logprobs": [], "output_token_logprobs": triples, "e2e_latency": 0.0,
+        }
+        return orjson.dumps({"text": "", "output_ids": out_ids, "meta_info": meta})
+
+    def chat(body: bytes) -> bytes:
+        # Not parsed: a zero-latency engine. Prompt tokens are estimated from the body size.
+        n = next(counter)
+        prompt_tokens = len(body) // 4
+        msg = {"role": "assistant", "content": None, "reasoning_content": reasoning,
+               "tool_calls": [{"id": f"call_{n}", "type": "function", "function": call}]}
+        return orjson.dumps({
+            "id": f"chatcmpl-{n}", "object": "chat.completion", "created": int(time.time()), "model": "standin",
+            "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": "tool_calls"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out},
+        })
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                m = await receive()
+                if m["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif m["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        path = scope["path"]
+        if path == "/generate":
+            data = generate(body)
+        elif path in ("/v1/chat/completions", "/chat/completions"):
+            data = chat(body)
+        elif path in ("/model_info", "/get_model_info"):
+            data = info
+        elif path in ("/v1/models", "/models"):
+            data = models
+        else:
+            data = ok
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    return app
+
+
+if __name__ == "__main__":
+    port = int(sys.argv[1])
+    with open(sys.argv[2], "rb") as f:
+        spec = orjson.loads(f.read())
+    uvicorn.run(make_app(spec), host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
