@@ -18,6 +18,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--tokenizer", metavar="PATH_OR_ID")
     p.add_argument("--renderer", metavar="NAME", help="a renderers family (e.g. qwen3) or 'generic'")
     p.add_argument("--model-name")
+    p.add_argument("--engine-model", help="model id sent to vLLM (default: the one its /v1/models lists)")
     p.add_argument("--store", metavar="PATH")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
@@ -76,7 +77,7 @@ def build(settings: Settings):
     tok = load_tokenizer(tokenizer_path or str(qwen3_tokenizer_dir()))
     name = renderer_name_for(settings.model_name, renderer) if renderer != "generic" else None
     fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention)
-    pool = EnginePool(kind, urls, model=settings.model_name, timeout_s=settings.engine_timeout_s)
+    pool = EnginePool(kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s)
     return settings, fmt, pool, engine_proc
 
 

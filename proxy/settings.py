@@ -16,6 +16,7 @@ class Settings(BaseSettings):
     tokenizer: str | None = None  # path or hub id; default: the engine's model dir / bundled Qwen3
     renderer: str | None = None  # a `renderers` family (e.g. qwen3) or "generic"
     model_name: str = "splice-model"  # what /v1/models reports; also picks the renderer if known
+    engine_model: str | None = None  # the model id vLLM requests name; default: what its /v1/models lists
     store: str = "splice_data/splice.sqlite"
     host: str = "127.0.0.1"
     port: int = 8000
