@@ -180,7 +180,7 @@ def _loadgen(spec: dict, tmp: str, timeout: float) -> dict:
         json.dump(spec, f)
     r = subprocess.run([sys.executable, str(HERE / "bench_loadgen.py"), path], capture_output=True, timeout=timeout)
     if r.returncode:
-        return {"lat": [], "wall_s": 0.0, "sessions": 0, "errors": [r.stderr.decode(errors="replace")[-400:]]}
+        return {"lat": [], "wall_s": 0.0, "cpu_s": 0.0, "sessions": 0, "errors": [r.stderr.decode(errors="replace")[-400:]]}
     return json.loads(r.stdout)
 
 
@@ -194,18 +194,25 @@ def _stats(res: dict) -> dict:
             "n_errors": len(res["errors"]), "errors": res["errors"][:5], "timed_out": res.get("timed_out", False)}
 
 
-def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, deadline: float) -> dict:
-    """One target at one C: load generator run, with proxy CPU and Splice metrics read around it."""
+def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, deadline: float, standin_pid: int) -> dict:
+    """One target at one C: load generator run, with proxy CPU and Splice metrics read around it.
+
+    The stand-in's and the load generator's CPU are recorded too: on a small machine they compete
+    with the proxy for cores, which is what bounds the high-C numbers.
+    """
     spec = {**base, **target["spec"], "c": c, "turns": turns, "sessions_per_worker": spw, "deadline_s": deadline,
             "tag": f"{target['key']}-c{c}-{time.time_ns()}"}
     pid = target.get("pid")
     murl = target.get("metrics_url")
-    cpu0 = _cpu_seconds(pid) if pid else None
+    cpu0, sb0 = (_cpu_seconds(pid) if pid else None), _cpu_seconds(standin_pid)
     m0 = _splice_metrics(murl) if murl else None
     res = _loadgen(spec, tmp, timeout=deadline + 120)
-    cpu1 = _cpu_seconds(pid) if pid else None
+    cpu1, sb1 = (_cpu_seconds(pid) if pid else None), _cpu_seconds(standin_pid)
     m1 = _splice_metrics(murl) if murl else None
     st = _stats(res)
+    if st["turns"]:
+        st["standin_cpu_ms_per_turn"] = (sb1 - sb0) / st["turns"] * 1e3
+        st["loadgen_cpu_ms_per_turn"] = res["cpu_s"] / st["turns"] * 1e3
     if pid and st["turns"]:
         st["cpu_s"] = cpu1 - cpu0
         st["cpu_ms_per_turn"] = (cpu1 - cpu0) / st["turns"] * 1e3
@@ -282,7 +289,7 @@ def run(args) -> dict:
                             "spec": {"mode": "chat", "port": int(lurl.rsplit(":", 1)[1]), "model": "standin",
                                      "headers": {"Authorization": f"Bearer {lkey}"}}})
         for t in targets:  # warm-up: connections, imports on first request, caches
-            w = _phase(t, 4, 3, 2, base, tmp, 30.0)
+            w = _phase(t, 4, 3, 2, base, tmp, 30.0, procs[0].pid)
             if not w["turns"]:
                 print(f"warm-up of {t['label']} failed: {w['errors'][:1]}", flush=True)
 
@@ -291,7 +298,12 @@ def run(args) -> dict:
             print(f"C={c}: {spw} session(s)/worker x {turns} turns ...", flush=True)
             row = {"concurrency": c, "turns_per_session": turns, "sessions_per_worker": spw}
             for t in targets:
-                row[t["key"]] = _phase(t, c, turns, spw, base, tmp, args.phase_timeout)
+                row[t["key"]] = _phase(t, c, turns, spw, base, tmp, args.phase_timeout, procs[0].pid)
+            for k in ("splice", "litellm"):
+                s, ch, gen = row.get(k), row["direct_chat"], row["direct_generate"]
+                if s and s["turns"] and ch["turns"] and gen["turns"]:
+                    s["added_ms"] = {"p50_vs_chat": s["p50_ms"] - ch["p50_ms"], "p99_vs_chat": s["p99_ms"] - ch["p99_ms"],
+                                     "p50_vs_generate": s["p50_ms"] - gen["p50_ms"], "p99_vs_generate": s["p99_ms"] - gen["p99_ms"]}
             runs.append(row)
     finally:
         for p in reversed(procs):
@@ -342,6 +354,15 @@ def _print(runs: list[dict], targets: list[dict], n_out: int, litellm_note: str,
     if rows:
         print("\nSplice's own breakdown from /metrics, mean ms per turn (proxy = wall time minus engine time):")
         print(_table(["C", *STAGES, "proxy total", "engine"], rows))
+    rows = []
+    for r in runs:
+        for t in targets:
+            s = r[t["key"]]
+            if s["turns"]:
+                rows.append([r["concurrency"], t["label"], _f(s.get("cpu_ms_per_turn")), _f(s["standin_cpu_ms_per_turn"]),
+                             _f(s["loadgen_cpu_ms_per_turn"])])
+    print("\nCPU ms per turn by process (they share the cores, so the sum per turn bounds turns/s):")
+    print(_table(["C", "target", "proxy", "stand-in", "load generator"], rows))
     for r in runs:
         for t in targets:
             s = r[t["key"]]
