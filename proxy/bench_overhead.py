@@ -318,7 +318,8 @@ def run(args) -> dict:
     return {"bench": "overhead", "output_tokens_per_turn": len(out_ids), "cpu_count": os.cpu_count(),
             "litellm": litellm_note, "targets": {t["key"]: t["label"] for t in targets}, "runs": runs,
             "method": "zero-latency stand-in; load generator, stand-in and each proxy in separate processes on one machine; "
-                      "latency measured by the load generator; CPU from /proc utime+stime (+children) around each phase; "
+                      "latency measured by the load generator; CPU from /proc utime+stime (+children) around each phase, "
+                      f"in ticks of 1/{os.sysconf('SC_CLK_TCK')} s; "
                       "Splice stages from /metrics sum/count deltas per phase"}
 
 
