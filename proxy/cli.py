@@ -26,6 +26,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--api-key")
     p.add_argument("--thinking-retention", choices=["all", "tool_cycle", "template"])
     p.add_argument("--sampling", choices=["trainable", "honor"])
+    p.add_argument("--drift-check", choices=["all", "sampled", "off"])
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-context", type=int)
     p.add_argument("--lease-timeout-s", type=float)

@@ -72,6 +72,8 @@ class TurnRunner:
         self._ids_cap = 8192
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
+        self._drifted: OrderedDict[str, bool] = OrderedDict()  # turn -> a full re-render would differ
+        self._turn_index: OrderedDict[str, int] = OrderedDict()
 
     # -- locating the previous turn -------------------------------------------------------
 
@@ -238,7 +240,7 @@ class TurnRunner:
         self._count(req, plan, gen, parsed)
         self.metrics.proxy_seconds.observe(max(0.0, time.perf_counter() - t_start - gen.engine_time_s))
         if plan.spliced:
-            self._spawn(self._check_drift(req, result))
+            self._spawn(self._check_drift(req, result, plan.parent_turn_id))
         return result
 
     async def _generate(self, plan: Plan, params: SamplingParams, on_tokens) -> Generation:
@@ -292,6 +294,9 @@ class TurnRunner:
         # Fingerprints of the history this turn's answer extends, for the next request to find it.
         returned = req.messages + [self._returned_message(result)]
         keys = _keys(returned, req)
+        self._turn_index[turn.turn_id] = index
+        if len(self._turn_index) > self._ids_cap:
+            self._turn_index.popitem(last=False)
         store.add_turn(turn, fingerprints=[*(_digest(k) for k in keys), *(_digest(k, session.session_id) for k in keys)])
         self._remember(turn.turn_id, plan.prompt_ids, turn.output_ids)
 
@@ -323,13 +328,37 @@ class TurnRunner:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _check_drift(self, req: TurnRequest, result: TurnResult) -> None:
-        """Would a full re-render have tokenized this prompt differently? Off the hot path."""
-        try:
-            full = await asyncio.to_thread(self.fmt.renderer.render_ids, _renderer_msgs(req.messages), tools=self.fmt.renderer_tools(req.tools), add_generation_prompt=True)
-        except Exception:
-            return
-        if list(full) != result.prompt_ids:
+    def _should_check_drift(self, index: int) -> bool:
+        mode = self.settings.drift_check
+        if mode == "all":
+            return True
+        if mode == "off":
+            return False
+        return index < 8 or (index & (index - 1)) == 0  # sampled: early turns, then powers of two
+
+    async def _check_drift(self, req: TurnRequest, result: TurnResult, parent_turn_id: str | None) -> None:
+        """Would a full re-render have tokenized this prompt differently? Off the hot path.
+
+        A turn spliced onto a turn that drifted drifts too (the re-render repeats the earlier
+        difference), so only sessions that have not drifted yet pay for a full render.
+        """
+        drifted = self._drifted.get(parent_turn_id) if parent_turn_id else None
+        if drifted is None:
+            index = self._turn_index.get(result.turn_id, 0)
+            if not self._should_check_drift(index):
+                return
+            try:
+                full = await asyncio.to_thread(
+                    self.fmt.renderer.render_ids, _renderer_msgs(req.messages),
+                    tools=self.fmt.renderer_tools(req.tools), add_generation_prompt=True,
+                )
+            except Exception:
+                return
+            drifted = list(full) != result.prompt_ids
+        self._drifted[result.turn_id] = drifted
+        if len(self._drifted) > self._ids_cap:
+            self._drifted.popitem(last=False)
+        if drifted:
             self.metrics.drift.inc()
             if hasattr(self.store, "set_drift"):
                 await asyncio.to_thread(self.store.set_drift, result.turn_id, True)

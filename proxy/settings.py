@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     api_key: str | None = None
     thinking_retention: Literal["all", "tool_cycle", "template"] = "all"
     sampling: Literal["trainable", "honor"] = "trainable"
+    # Counting the drift a full re-render would have caused costs a full render per checked turn
+    # (off the hot path, but CPU): "sampled" inherits a parent's drift and renders turns 0-7 and
+    # then powers of two of sessions that have not drifted yet.
+    drift_check: Literal["all", "sampled", "off"] = "sampled"
     temperature: float = 1.0  # the server-wide sampling temperature (trainable mode)
     max_context: int = 32768  # prompt + output tokens the model can take
     default_max_tokens: int = 1024  # output budget when the request does not set one
