@@ -105,7 +105,7 @@ class EnginePool:
         self.health_interval_s = health_interval_s
         self._owns_http = http_client is None
         self._http = http_client or httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
         )
         self._replicas: dict[str, Replica] = {}
         for url in urls:

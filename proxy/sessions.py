@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engines.types import EngineError, Generation, SamplingParams
@@ -72,6 +73,8 @@ class TurnRunner:
         self._ids_cap = 8192
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
+        # One writer thread: commits queue in order instead of contending for the store's lock.
+        self._store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splice-store")
         self._drifted: OrderedDict[str, bool] = OrderedDict()  # turn -> a full re-render would differ
         self._turn_index: OrderedDict[str, int] = OrderedDict()
 
@@ -232,7 +235,7 @@ class TurnRunner:
             )
             t_commit = time.perf_counter()
             try:
-                await asyncio.to_thread(self._commit, req, plan, result, session is None)
+                await asyncio.get_running_loop().run_in_executor(self._store_thread, self._commit, req, plan, result)
             except Conflict as exc:  # rewarded while this turn was generating, or a different group
                 now = self.store.get_session(plan.session_id)
                 raise APIError(409, str(exc), code="session_closed" if now is not None and now.closed else "session_conflict") from exc
@@ -256,7 +259,7 @@ class TurnRunner:
             raise APIError(exc.status_code, f"engine error: {exc}", code=exc.code, headers={"Retry-After": "1"}) from exc
         return gen
 
-    def _commit(self, req: TurnRequest, plan: Plan, result: TurnResult, new_session: bool) -> None:
+    def _commit(self, req: TurnRequest, plan: Plan, result: TurnResult) -> None:
         gen = result.generation
         store = self.store
         session = store.upsert_session(
@@ -366,6 +369,7 @@ class TurnRunner:
     async def drain(self) -> None:
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        self._store_thread.shutdown(wait=True)
 
 
 def _renderer_msgs(messages):
