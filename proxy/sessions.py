@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from engines.types import EngineError, Generation, SamplingParams
 from tokenization import ChatFormat, Message
-from tokenization.conversation import ToolCall, fingerprint, tools_fingerprint
+from tokenization.conversation import HistoryHash, ToolCall, tools_fingerprint
 
 from .errors import APIError
 from .ids import call_id, new_turn_id
@@ -41,11 +41,13 @@ class Plan:
     parent_turn_id: str | None
     spliced: bool
     fork_reason: str | None
+    history_hash: HistoryHash | None = None  # hash of the request's first ``hashed`` messages
+    hashed: int = 0
 
 
-def _keys(messages: list[Message], req: TurnRequest) -> tuple[str, str, str]:
+def _keys(hashed: HistoryHash, req: TurnRequest) -> tuple[str, str, str]:
     """Fingerprints of a history: exact (tools + template kwargs), without kwargs, messages only."""
-    msgs = fingerprint(messages)
+    msgs = hashed.hexdigest()
     tools = tools_fingerprint(req.tools)
     kwargs = repr(sorted((req.chat_template_kwargs or {}).items()))
     return f"x:{tools}:{kwargs}:{msgs}", f"t:{tools}:{msgs}", f"m:{msgs}"
@@ -96,21 +98,27 @@ class TurnRunner:
         if len(self._ids) > self._ids_cap:
             self._ids.popitem(last=False)
 
-    def _find(self, keys: tuple[str, ...], session_id: str | None):
-        """The recorded turn for a history fingerprint, preferring the caller's session."""
+    def _find(self, keys: tuple[str, ...], session_id: str | None) -> tuple[str, str] | None:
+        """``(turn_id, session_id)`` of the recorded turn for a history fingerprint, preferring the caller's session."""
         for key in keys:
             if session_id:
-                t = self.store.find_turn_by_fingerprint(_digest(key, session_id))
-                if t is not None:
-                    return t
-            t = self.store.find_turn_by_fingerprint(_digest(key))
-            if t is not None and (session_id is None or t.session_id == session_id):
-                return t
+                hit = self.store.lookup_fingerprint(_digest(key, session_id))
+                if hit is not None:
+                    return hit
+            hit = self.store.lookup_fingerprint(_digest(key))
+            if hit is not None and (session_id is None or hit[1] == session_id):
+                return hit
         return None
 
     def plan(self, req: TurnRequest) -> Plan:
+        last_asst = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=-1)
+        hh = HistoryHash().extend(req.messages[: last_asst + 1])
+        plan = self._plan(req, last_asst, hh.copy())
+        plan.history_hash, plan.hashed = hh, last_asst + 1
+        return plan
+
+    def _plan(self, req: TurnRequest, last_asst: int, hh: HistoryHash) -> Plan:
         msgs = req.messages
-        last_asst = max((i for i, m in enumerate(msgs) if m.role == "assistant"), default=-1)
         explicit = req.session_id
         session_id = explicit
         if last_asst < 0:
@@ -119,7 +127,7 @@ class TurnRunner:
 
         history = msgs[: last_asst + 1]
         new = msgs[last_asst + 1 :]
-        exact, no_kwargs, plain = _keys(history, req)
+        exact, no_kwargs, plain = _keys(hh, req)
         parent = self._find((exact,), explicit)
         reason = None
         if parent is None:
@@ -139,10 +147,11 @@ class TurnRunner:
                 return Plan(explicit, self._render(msgs, req), None, False, "history_edited")
             return Plan(session_id or _new_session_id(), self._render(msgs, req), None, False, "unknown_parent")
 
-        session_id = session_id or parent.session_id
+        parent_turn_id, parent_session = parent
+        session_id = session_id or parent_session
         if reason is not None:
-            return Plan(session_id, self._render(msgs, req), parent.turn_id, False, reason)
-        ids = self._turn_ids(parent.turn_id)
+            return Plan(session_id, self._render(msgs, req), parent_turn_id, False, reason)
+        ids = self._turn_ids(parent_turn_id)
         if ids is None:
             return Plan(session_id, self._render(msgs, req), None, False, "unknown_parent")
         prev_prompt, prev_output = ids
@@ -150,8 +159,8 @@ class TurnRunner:
         res = self.fmt.bridge(prev_prompt, prev_output, list(new), tools=req.tools, history=list(history))
         self.metrics.stage_seconds.labels("bridge").observe(time.perf_counter() - t0)
         if not res.ok:
-            return Plan(session_id, self._render(msgs, req), parent.turn_id, False, res.reason)
-        return Plan(session_id, prev_prompt + prev_output + res.ids, parent.turn_id, True, None)
+            return Plan(session_id, self._render(msgs, req), parent_turn_id, False, res.reason)
+        return Plan(session_id, prev_prompt + prev_output + res.ids, parent_turn_id, True, None)
 
     def _render(self, msgs: list[Message], req: TurnRequest) -> list[int]:
         t0 = time.perf_counter()
@@ -295,8 +304,9 @@ class TurnRunner:
             response_id=result.response_id,
         )
         # Fingerprints of the history this turn's answer extends, for the next request to find it.
-        returned = req.messages + [self._returned_message(result)]
-        keys = _keys(returned, req)
+        hashed = (plan.history_hash or HistoryHash()).copy()
+        hashed.extend(req.messages[plan.hashed :]).extend([self._returned_message(result)])
+        keys = _keys(hashed, req)
         self._turn_index[turn.turn_id] = index
         if len(self._turn_index) > self._ids_cap:
             self._turn_index.popitem(last=False)

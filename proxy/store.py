@@ -689,6 +689,14 @@ class Store:
             seq = self._turn_seq(c, turn_id)
             c.execute("INSERT OR REPLACE INTO fingerprints (fp, turn_seq) VALUES (?, ?)", (fp, seq))
 
+    def lookup_fingerprint(self, fp: str | bytes) -> tuple[str, str] | None:
+        """``(turn_id, session_id)`` for a history hash: the cheap lookup the hot path needs."""
+        with self._lock:
+            return self._conn.execute(
+                "SELECT t.turn_id, t.session_id FROM fingerprints f JOIN turns t ON t.seq = f.turn_seq WHERE f.fp = ?",
+                (fp,),
+            ).fetchone()
+
     def find_turn_by_fingerprint(self, fp: str) -> TurnRecord | None:
         with self._lock:
             row = self._conn.execute("SELECT turn_seq FROM fingerprints WHERE fp = ?", (fp,)).fetchone()

@@ -98,15 +98,41 @@ def _canonical_message(msg: Message) -> list[Any]:
     return [role, msg.content.strip() if role == "assistant" else msg.content, calls]
 
 
+class HistoryHash:
+    """An incremental hash of a message history: extend it, copy it, read its digest.
+
+    The session layer hashes a request's history once, then continues the same hash with the
+    new messages and the returned answer, instead of hashing the whole history twice.
+    """
+
+    def __init__(self, _h=None):
+        import hashlib
+
+        self._h = _h or hashlib.blake2b(digest_size=16)
+
+    def extend(self, messages) -> "HistoryHash":
+        import orjson
+
+        for m in messages:
+            canon = _canonical_message(m)
+            try:
+                data = orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)
+            except TypeError:  # e.g. integers wider than 64 bits in tool arguments
+                data = json.dumps(canon, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+            self._h.update(data)
+            self._h.update(b"\x1e")
+        return self
+
+    def copy(self) -> "HistoryHash":
+        return HistoryHash(self._h.copy())
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def fingerprint(messages: list[Message] | tuple[Message, ...]) -> str:
     """A stable hash of a message history, used to find the turn a request continues."""
-    import hashlib
-
-    h = hashlib.blake2b(digest_size=16)
-    for m in messages:
-        h.update(json.dumps(_canonical_message(m), sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode())
-        h.update(b"\x1e")
-    return h.hexdigest()
+    return HistoryHash().extend(messages).hexdigest()
 
 
 def tools_fingerprint(tools: list[Tool] | tuple[Tool, ...] | None) -> str:
