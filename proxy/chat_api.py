@@ -39,7 +39,7 @@ from proxy.schemas import ChatCompletionRequest, parse_json_body, session_fields
 from proxy.sse import DONE, TurnStream, dumps, run_turn, sse_data, streaming_response, to_api_error
 from proxy.turn_types import TurnRequest, TurnResult
 from tokenization.conversation import Message, ToolCall
-from tokenization.incremental import CONTENT, REASONING, IncrementalDecoder, StrippedText
+from tokenization.incremental import CONTENT, REASONING, IncrementalDecoder, StopTextFilter, StrippedText
 
 log = logging.getLogger("splice.chat")
 
@@ -261,6 +261,7 @@ class ChunkWriter:
         self.include_usage = include_usage
         self.reasoning = StrippedText()
         self.content = StrippedText()
+        self.stop = StopTextFilter(ctx.turn.stop)
 
     def chunk(self, delta: dict[str, Any], *, finish_reason: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
         data = dict(self.base)
@@ -278,9 +279,13 @@ class ChunkWriter:
             d = self.reasoning.push(text)
             return self.chunk({"reasoning_content": d}) if d else None
         if channel == CONTENT:
-            d = self.content.push(text)
+            d = self.content.push(self.stop.push(text))
             return self.chunk({"content": d}) if d else None
         return None
+
+    def flush_stop(self) -> bytes | None:
+        d = self.content.push(self.stop.flush())
+        return self.chunk({"content": d}) if d else None
 
 
 async def stream_chat(ctx: ChatContext, runner, stream: TurnStream) -> AsyncIterator[bytes]:
@@ -295,6 +300,8 @@ async def stream_chat(ctx: ChatContext, runner, stream: TurnStream) -> AsyncIter
             if frames:
                 yield b"".join(frames)
         frames = [f for ch, t in dec.finish() if (f := w.text(ch, t)) is not None]
+        if (f := w.flush_stop()) is not None:
+            frames.append(f)
         result = stream.result()
         if result.turn_id != ctx.turn_id:
             log.warning("session layer assigned turn id %s instead of the requested %s", result.turn_id, ctx.turn_id)

@@ -380,3 +380,38 @@ def generation_starts_in_reasoning(tokenizer, renderer=None, *, template_kwargs:
         return bool(prompt_ends_in_reasoning(tokenizer, list(ids), stop_ids=stop))
     except Exception:  # noqa: BLE001 - a template that cannot be probed streams as content first
         return False
+
+
+class StopTextFilter:
+    """Streams text but never a stop string: text that may begin one is held back, and
+    everything from a match on is dropped (the engine stopped there; OpenAI omits it)."""
+
+    def __init__(self, stops: Iterable[str] = ()):
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._buf = ""
+        self.matched = False
+
+    def push(self, text: str) -> str:
+        if self.matched:
+            return ""
+        if not self.stops:
+            return text
+        self._buf += text
+        hits = [i for i in (self._buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self._buf, self.matched = self._buf[: min(hits)], "", True
+            return out
+        keep = 0
+        for k in range(min(self._hold, len(self._buf)), 0, -1):
+            tail = self._buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                keep = k
+                break
+        out = self._buf[: len(self._buf) - keep]
+        self._buf = self._buf[len(out) :]
+        return out
+
+    def flush(self) -> str:
+        out, self._buf = ("" if self.matched else self._buf), ""
+        return out

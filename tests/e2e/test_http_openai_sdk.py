@@ -318,3 +318,11 @@ def test_turn_cut_by_stop_string_or_length_is_closed_by_the_bridge(proxy, cut):
 
 def _model_dir(proxy) -> str:
     return proxy.args[proxy.args.index("--reference-model") + 1]
+
+
+def test_streamed_text_never_contains_the_stop_string(proxy):
+    client = _client(proxy, _sid())
+    msgs = [{"role": "user", "content": "Add 2 and 3."}]
+    chunks = client.chat.completions.create(model="splice-model", messages=msgs, tools=CHAT_TOOLS, stop=["add those"], stream=True)
+    text = "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+    assert text == "Let me "  # held back while it could be the stop string, dropped once it was

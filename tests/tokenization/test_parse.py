@@ -63,3 +63,15 @@ def test_matched_stop_string_is_cut_from_the_text_not_from_the_ids(qwen3, qwen_t
     p = qwen3.parse(ids, stop_text="END")
     assert p.content == "one two three "
     assert qwen3.parse(ids).content == "one two three END and more"
+
+
+def test_stop_text_filter_holds_back_and_drops_the_stop_string():
+    from tokenization.incremental import StopTextFilter
+
+    for pieces in (["one two thr", "ee EN", "D and more"], ["one two three E", "ND"], ["one two three ", "END"]):
+        f = StopTextFilter(["END"])
+        out = "".join(f.push(p) for p in pieces) + f.flush()
+        assert out == "one two three "
+    f = StopTextFilter(["END"])
+    assert "".join(f.push(p) for p in ["no E", "nd here E"]) + f.flush() == "no End here E"
+    assert StopTextFilter([]).push("x") == "x"
