@@ -223,12 +223,17 @@ class EnginePool:
     async def _call_with_failover(
         self, session_id: str, call: Callable[[Replica], Awaitable[Any]], *, may_retry: Callable[[], bool]
     ) -> tuple[Replica, Any]:
-        """Run ``call`` on the session's replica; on a retryable failure, once on the next one."""
+        """Run ``call`` on the session's replica; on a retryable failure, once on the next one
+        (or, with a single replica, once more on the same one: a kept-alive connection the engine
+        closed under load fails before anything was sent back)."""
         candidates = self._candidates(session_id)
+        tries = candidates[:2] if len(candidates) > 1 else candidates * 2
         last: EngineError | None = None
-        for attempt, replica in enumerate(candidates[:2]):
+        for attempt, replica in enumerate(tries):
             if attempt == 1 and not (last is not None and last.retryable and may_retry() and not replica.stale):
                 break
+            if attempt == 1 and replica is tries[0]:
+                await asyncio.sleep(0.05)
             replica.in_flight += 1
             try:
                 return replica, await call(replica)

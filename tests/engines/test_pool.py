@@ -510,3 +510,27 @@ def test_health_reports_each_replica():
             return result
 
     assert run(go()) == {A: True, B: False}
+
+
+def test_single_replica_retries_once_when_nothing_came_back():
+    """A kept-alive connection the engine closed under load: retried on the same replica."""
+
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fa = FakeSGLang(router, A)
+            fa.script = [Step([(7, -0.7)])]
+            real = fa.generate_route.side_effect
+            calls = {"n": 0}
+
+            def flaky(request):
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    raise httpx.ReadError("connection closed")
+                return real(request)
+
+            fa.generate_route.mock(side_effect=flaky)
+            pool = make_pool(urls=(A,))
+            return await pool.generate([5], SamplingParams(), session_id="s"), calls["n"]
+
+    gen, n = run(go())
+    assert gen.output_ids == [7] and n == 2
