@@ -31,9 +31,10 @@ from .invariants import check_sample, check_session
 
 
 def _call(a: int, b: int, note: str) -> str:
+    # Compact JSON, as models often write it: a re-render would re-serialize it with spaces.
     return (
         f"<think>\nI should add {a} and {b}. {note}\n</think>\n\n<tool_call>\n"
-        f'{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call><|im_end|>'
+        f'{{"name":"add","arguments":{{"a":{a},"b":{b}}}}}\n</tool_call><|im_end|>'
     )
 
 
