@@ -88,6 +88,15 @@ def serve(args: argparse.Namespace) -> int:
     from .app import create_app
 
     settings = settings_from_args(args)
+    if settings.temperature != 1.0 and settings.sampling == "trainable":
+        print(
+            f"refusing --temperature {settings.temperature}: SGLang scales output logprobs by temperature but not "
+            "prompt logprobs (used for proximal values), and vLLM returns raw logprobs, so behaviour and proximal "
+            "logprobs would come from different distributions. Sample at 1.0, or use --sampling honor (turns are "
+            "then marked not trainable).",
+            file=sys.stderr,
+        )
+        return 2
     if not _is_loopback(settings.host) and not settings.admin_token:
         print(
             f"refusing to bind {settings.host} without --admin-token: the pull and admin APIs would be open",

@@ -29,6 +29,9 @@ class Sample:
     proximal_logprobs_t: list[float] = field(default_factory=list)
     proximal_versions: list[int] = field(default_factory=list)
     turn_ids: list[str] = field(default_factory=list)  # the turns merged into this sample, in order
+    # False when a turn was sampled with the agent's own settings (``--sampling honor``): its
+    # behaviour logprobs come from another distribution than the trainer's.
+    trainable: bool = True
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -51,6 +54,8 @@ class Sample:
         self.proximal_logprobs_t.extend(turn.proximal_logprobs_t)
         self.proximal_versions.extend(turn.proximal_versions)
         self.turn_ids.append(turn.turn_id)
+        if (turn.requested_sampling or {}).get("trainable") is False:
+            self.trainable = False
 
     def to_dict(self) -> dict:
         """The wire shape of ``POST /v1/trajectories/pull`` samples."""
@@ -66,6 +71,7 @@ class Sample:
             "proximal_logprobs_t": self.proximal_logprobs_t,
             "proximal_versions": self.proximal_versions,
             "turn_ids": self.turn_ids,
+            "trainable": self.trainable,
         }
 
 

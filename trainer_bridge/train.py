@@ -58,6 +58,8 @@ def drop_reason(sample: dict[str, Any], version: int, max_staleness: int | None)
         validate_sample(sample)
     except (KeyError, TypeError, ValueError):
         return "invalid"
+    if sample.get("trainable") is False:  # sampled with the agent's own settings, not the trainer's
+        return "untrainable"
     versions = loss_token_versions(sample)
     if not versions:
         return "empty"

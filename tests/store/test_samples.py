@@ -112,3 +112,21 @@ def test_fork_starts_new_sample_and_leaves_earlier_alone(make_turn):
 
 def test_empty_session():
     assert assemble_samples(session(), []) == []
+
+
+def test_turns_sampled_with_the_agents_settings_mark_the_sample_untrainable():
+    from proxy.records import SessionRecord, TurnRecord
+    from proxy.samples import assemble_samples
+
+    def turn(i, prompt, out, trainable):
+        n = len(out)
+        return TurnRecord(turn_id=f"t{i}", session_id="s", index=i, parent_turn_id=None, prompt_ids=prompt, output_ids=out,
+                          output_logprobs=[-0.1] * n, versions=[0] * n, proximal_logprobs_t=[-0.1] * n,
+                          proximal_versions=[0] * n, spliced=False, fork_reason=None, finish_reason="stop", created_at=0.0,
+                          requested_sampling={"trainable": trainable}, drift=False, api="chat", response_id=f"r{i}")
+
+    session = SessionRecord("s", None, None, 1.0, True, 0.0)
+    (a,) = assemble_samples(session, [turn(0, [1, 2], [3], True), turn(1, [1, 2, 3, 4], [5], False)])
+    assert a.to_dict()["trainable"] is False
+    (b,) = assemble_samples(session, [turn(0, [1, 2], [3], True)])
+    assert b.to_dict()["trainable"] is True

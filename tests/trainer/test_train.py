@@ -201,3 +201,12 @@ def test_gradient_checkpointing_keeps_dropout_off_and_results_equal(tiny_model_d
         weights.append(load_file(out / "step_1" / "model.safetensors"))
     for k in weights[0]:
         torch.testing.assert_close(weights[1][k], weights[0][k], atol=1e-6, rtol=1e-5)
+
+
+def test_untrainable_samples_are_dropped():
+    from trainer_bridge.train import drop_reason
+
+    sample = {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "logprobs": [0.0, -0.1, -0.2], "versions": [-1, 0, 0],
+              "proximal_logprobs_t": [0.0, -0.1, -0.2], "proximal_versions": [-1, 0, 0], "reward": 1.0}
+    assert drop_reason(sample, 0, None) is None
+    assert drop_reason({**sample, "trainable": False}, 0, None) == "untrainable"
