@@ -298,6 +298,13 @@ class Store:
         with self._lock:  # idempotent DDL (IF NOT EXISTS): a crash half-way is repaired on the next open
             c.executescript(_SCHEMA + pool_ledger.SCHEMA)
             c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        # Lookups on the request path use their own connection: in WAL mode they read the last
+        # committed state without waiting for the writer's lock.
+        if path == ":memory:":
+            self._rconn, self._rlock = self._conn, self._lock
+        else:
+            self._rconn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+            self._rlock = threading.Lock()
         self._full_ids = _LRU(4_000_000)  # turn seq -> prompt+output ids (int32 array)
         self._convs = _LRU(64 << 20)  # response seq -> conversation bytes
 
@@ -317,6 +324,9 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+        if self._rconn is not self._conn:
+            with self._rlock:
+                self._rconn.close()
 
     def __enter__(self) -> "Store":
         return self
@@ -381,8 +391,8 @@ class Store:
             return self._get_session(c, session_id)
 
     def get_session(self, session_id: str) -> SessionRecord | None:
-        with self._lock:
-            return self._get_session(self._conn, session_id)
+        with self._rlock:
+            return self._get_session(self._rconn, session_id)
 
     def set_reward(self, session_id: str, reward: float) -> SessionRecord:
         """Record the reward and close the session; its samples become ready for the trainer."""
@@ -691,8 +701,8 @@ class Store:
 
     def lookup_fingerprint(self, fp: str | bytes) -> tuple[str, str] | None:
         """``(turn_id, session_id)`` for a history hash: the cheap lookup the hot path needs."""
-        with self._lock:
-            return self._conn.execute(
+        with self._rlock:
+            return self._rconn.execute(
                 "SELECT t.turn_id, t.session_id FROM fingerprints f JOIN turns t ON t.seq = f.turn_seq WHERE f.fp = ?",
                 (fp,),
             ).fetchone()
