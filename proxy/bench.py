@@ -6,7 +6,8 @@ Subcommands (each prints a table and writes JSON, ``--out FILE``, default ``benc
                real Qwen3 tokenizer, and how many turns a re-render would have changed (drift).
 * ``store``    bytes per stored generated token on disk, and resident memory per live session.
 * ``logprobs`` peak memory and time of chunked vs naive log-probs (torch, in child processes).
-* ``overhead`` added latency of Splice in front of a zero-latency SGLang ``/generate`` stand-in.
+* ``overhead`` latency, throughput and CPU per turn of Splice and of LiteLLM's proxy in front of a
+  zero-latency engine stand-in, against calling the stand-in directly.
 """
 
 from __future__ import annotations
@@ -416,12 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="run naive cases even when they would not fit in memory")
     p.add_argument("--out")
 
-    try:
-        from .bench_overhead import add_parser as _add_overhead
-    except ImportError:
-        _add_overhead = None
-    if _add_overhead is not None:
-        _add_overhead(sub)
+    from .bench_overhead import add_parser as add_overhead_parser
+
+    add_overhead_parser(sub)
 
     args = ap.parse_args(argv)
     if args.name == "splice":
