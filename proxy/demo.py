@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from .engine_process import free_port
+from .engine_process import free_port, wait_healthy
 from .invariants import check_sample, check_session
 
 
@@ -46,17 +46,10 @@ SCRIPT = [
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"a demo process exited early with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"{url} did not become healthy")
+    try:
+        wait_healthy(url, proc, timeout_s)
+    except RuntimeError as exc:
+        raise SystemExit(f"a demo process did not start: {exc}")
 
 
 async def _run_session(base: str, session_id: str, group_id: str, group_size: int, rng: random.Random) -> tuple[int, float]:

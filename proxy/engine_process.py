@@ -11,6 +11,21 @@ import time
 import httpx
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Poll ``url/health`` until it answers 200; fail fast if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[2] if len(proc.args) > 2 else proc.args} exited with code {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not become healthy within {timeout_s:.0f}s")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -30,18 +45,12 @@ class EngineProcess:
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_ready(self, timeout_s: float = 120.0) -> "EngineProcess":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"reference engine exited with code {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"reference engine did not become healthy within {timeout_s}s")
+        try:
+            wait_healthy(self.url, self.proc, timeout_s)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:
