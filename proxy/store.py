@@ -300,11 +300,20 @@ class Store:
             c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         # Lookups on the request path use their own connection: in WAL mode they read the last
         # committed state without waiting for the writer's lock.
+        self._checkpointer: threading.Thread | None = None
+        self._closing = threading.Event()
         if path == ":memory:":
             self._rconn, self._rlock = self._conn, self._lock
         else:
             self._rconn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
             self._rlock = threading.Lock()
+            # Checkpoint the WAL from a background thread (PASSIVE: never blocks writers), so a
+            # commit on the request path never pays for copying pages into the database file.
+            c.execute("PRAGMA wal_autocheckpoint=0")
+            self._checkpointer = threading.Thread(
+                target=self._checkpoint_loop, args=(path,), name="splice-wal-checkpoint", daemon=True
+            )
+            self._checkpointer.start()
         self._full_ids = _LRU(4_000_000)  # turn seq -> prompt+output ids (int32 array)
         self._convs = _LRU(64 << 20)  # response seq -> conversation bytes
 
@@ -321,7 +330,21 @@ class Store:
                 raise
             self._conn.execute("COMMIT")
 
+    def _checkpoint_loop(self, path: str, interval_s: float = 1.0) -> None:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        try:
+            while not self._closing.wait(interval_s):
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                except sqlite3.Error:
+                    pass  # busy or closing: the next round catches up
+        finally:
+            conn.close()
+
     def close(self) -> None:
+        self._closing.set()
+        if self._checkpointer is not None:
+            self._checkpointer.join(timeout=5)
         with self._lock:
             self._conn.close()
         if self._rconn is not self._conn:
