@@ -21,7 +21,7 @@ from tokenization import ChatFormat, Message
 from tokenization.conversation import HistoryHash, ToolCall, tools_fingerprint
 
 from .errors import APIError
-from .ids import call_id, new_turn_id
+from .ids import call_id, chat_completion_id, new_turn_id, response_id
 from .metrics import Metrics
 from .records import TurnRecord
 from .settings import Settings
@@ -230,7 +230,7 @@ class TurnRunner:
             result = TurnResult(
                 turn_id=turn_id,
                 session_id=plan.session_id,
-                response_id=("resp_" if req.api == "responses" else "chatcmpl-") + turn_id,
+                response_id=response_id(turn_id) if req.api == "responses" else chat_completion_id(turn_id),
                 prompt_ids=plan.prompt_ids,
                 generation=gen,
                 parsed=parsed,
