@@ -8,7 +8,7 @@ output cut by the length limit is reported as truncated.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from renderers import ToolCallParseStatus
 
