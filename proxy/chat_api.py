@@ -25,17 +25,15 @@ from proxy.errors import bad_request
 from proxy.ids import call_id, chat_completion_id
 from proxy.responses_api import (
     _text_of,
-    assign_turn_id,
     check_tool_choice,
     convert_tools,
     count_reasoning_tokens,
     name_tool_messages,
-    parent_hint,
     starts_in_reasoning,
     stop_ids_of,
     token_logprobs,
 )
-from proxy.schemas import ChatCompletionRequest, parse_json_body, session_fields, validate
+from proxy.schemas import ChatCompletionRequest, parse_json_body, turn_request, validate
 from proxy.sse import DONE, TurnStream, dumps, run_turn, sse_data, streaming_response, to_api_error
 from proxy.turn_types import TurnRequest, TurnResult
 from tokenization.conversation import Message, ToolCall
@@ -134,25 +132,8 @@ def build_chat_context(body: dict[str, Any], headers, runner) -> ChatContext:
     tools, _ = convert_tools(req.tools)
     check_tool_choice(req.tool_choice, tools)
     messages, ids = messages_to_conversation(req.messages)
-    session_id, group_id, group_size = session_fields(headers, req.metadata)
-    model = req.model or getattr(runner, "model_name", "") or ""
-    treq = TurnRequest(
-        api="chat",
-        messages=messages,
-        tools=tools,
-        model=model,
-        session_id=session_id,
-        group_id=group_id,
-        group_size=group_size,
-        parent_hint=parent_hint(ids),
-        max_output_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        stop=req.stop_list,
-        chat_template_kwargs=req.chat_template_kwargs,
-        metadata=dict(req.metadata or {}),
-    )
-    tid = assign_turn_id(treq)
+    treq = turn_request("chat", req, headers, runner, messages=messages, tools=tools, hints=ids, stop=req.stop_list)
+    tid, model = treq.turn_id, treq.model
     return ChatContext(req=req, turn=treq, turn_id=tid, created=int(time.time()), model=model)
 
 

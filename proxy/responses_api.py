@@ -29,12 +29,11 @@ from proxy.ids import (
     call_id,
     function_call_item_id,
     message_id,
-    new_turn_id,
     reasoning_id,
     response_id,
     turn_id_from,
 )
-from proxy.schemas import ResponsesRequest, parse_json_body, session_fields, validate
+from proxy.schemas import ResponsesRequest, parse_json_body, turn_request, validate
 from proxy.sse import TurnStream, dumps, run_turn, sse_event, streaming_response, to_api_error
 from proxy.turn_types import TurnRequest, TurnResult
 from tokenization.conversation import Message, Tool, ToolCall
@@ -406,28 +405,6 @@ class ResponsesContext:
     model: str
 
 
-def assign_turn_id(treq: TurnRequest) -> str:
-    """Pick the turn id up front so streamed item ids are final from the first event.
-
-    The session layer uses ``TurnRequest.turn_id`` when present.
-    """
-    tid = new_turn_id()
-    try:
-        setattr(treq, "turn_id", tid)
-    except (AttributeError, TypeError):  # a slotted/frozen TurnRequest without the field
-        pass
-    return tid
-
-
-def parent_hint(candidates: list[str]) -> str | None:
-    """The turn id of the most recent Splice-issued id among ``candidates`` (oldest first)."""
-    for cand in reversed(candidates):
-        tid = turn_id_from(cand)
-        if tid is not None:
-            return tid
-    return None
-
-
 async def build_context(body: dict[str, Any], headers, runner, store) -> ResponsesContext:
     req: ResponsesRequest = validate(ResponsesRequest, body)
     req.check_supported()
@@ -447,25 +424,8 @@ async def build_context(body: dict[str, Any], headers, runner, store) -> Respons
     messages = ([Message(role="system", content=req.instructions)] if req.instructions else []) + history
     if not messages:
         raise bad_request("'input' is empty: nothing to respond to", code="invalid_value", param="input")
-    session_id, group_id, group_size = session_fields(headers, req.metadata)
-    model = req.model or getattr(runner, "model_name", "") or ""
-    treq = TurnRequest(
-        api="responses",
-        messages=messages,
-        tools=tools,
-        model=model,
-        session_id=session_id,
-        group_id=group_id,
-        group_size=group_size,
-        parent_hint=parent_hint(hints),
-        max_output_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        stop=[],
-        chat_template_kwargs=req.chat_template_kwargs,
-        metadata=dict(req.metadata or {}),
-    )
-    tid = assign_turn_id(treq)
+    treq = turn_request("responses", req, headers, runner, messages=messages, tools=tools, hints=hints, stop=[])
+    tid, model = treq.turn_id, treq.model
     return ResponsesContext(req=req, turn=treq, history=history, tools_echo=echo, turn_id=tid, created_at=time.time(), model=model)
 
 

@@ -15,6 +15,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.errors import APIError, bad_request
+from proxy.ids import new_turn_id, turn_id_from
 from proxy.turn_types import TokensCallback, TurnRequest, TurnResult
 
 # ----------------------------------------------------------------------------- interfaces
@@ -248,3 +249,37 @@ def session_fields(headers, metadata: dict[str, Any] | None) -> tuple[str | None
         if v is not None and len(str(v)) > 256:
             raise bad_request(f"{name} is longer than 256 characters", code="invalid_value", param=name)
     return (str(sid) if sid not in (None, "") else None, str(gid) if gid not in (None, "") else None, size)
+
+
+def parent_hint(candidates: list[str]) -> str | None:
+    """The turn id of the most recent Splice-issued id among ``candidates`` (oldest first)."""
+    for cand in reversed(candidates):
+        tid = turn_id_from(cand)
+        if tid is not None:
+            return tid
+    return None
+
+
+def turn_request(api, req, headers, runner, *, messages, tools, hints: list[str], stop: list[str]) -> TurnRequest:
+    """The session layer's request, from either front end's validated body.
+
+    The turn id is chosen up front so streamed item ids are final from the first event.
+    """
+    session_id, group_id, group_size = session_fields(headers, req.metadata)
+    return TurnRequest(
+        api=api,
+        messages=messages,
+        tools=tools,
+        model=req.model or getattr(runner, "model_name", "") or "",
+        session_id=session_id,
+        group_id=group_id,
+        group_size=group_size,
+        parent_hint=parent_hint(hints),
+        max_output_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=stop,
+        chat_template_kwargs=req.chat_template_kwargs,
+        metadata=dict(req.metadata or {}),
+        turn_id=new_turn_id(),
+    )

@@ -24,9 +24,8 @@ from proxy.responses_api import (
     input_to_messages,
     messages_from_json,
     messages_to_json,
-    parent_hint,
 )
-from proxy.schemas import session_fields
+from proxy.schemas import parent_hint, session_fields
 from tokenization.conversation import Message, ToolCall
 
 
