@@ -273,7 +273,7 @@ class TurnRunner:
         session = store.upsert_session(
             plan.session_id, group_id=req.group_id, group_size=req.group_size, metadata=req.metadata or None
         )
-        index = len(store.list_turn_ids(plan.session_id)) if hasattr(store, "list_turn_ids") else len(store.list_turns(plan.session_id))
+        index = store.next_turn_index(plan.session_id)
         requested = {
             "temperature": req.temperature,
             "top_p": req.top_p,

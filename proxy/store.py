@@ -628,6 +628,12 @@ class Store:
         turns = [self._turn(r, prompts[r[0]][0]) for r in rows]
         return sorted(turns, key=lambda t: t.index)
 
+    def next_turn_index(self, session_id: str) -> int:
+        """The index the session's next turn takes (one indexed lookup, whatever the session's length)."""
+        with self._lock:
+            row = self._conn.execute("SELECT MAX(idx) FROM turns WHERE session_id = ?", (session_id,)).fetchone()
+            return 0 if row is None or row[0] is None else int(row[0]) + 1
+
     def list_turn_ids(self, session_id: str) -> list[str]:
         """The session's turn ids in index order, without decoding any tokens."""
         with self._lock:

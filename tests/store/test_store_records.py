@@ -187,3 +187,12 @@ def test_concurrent_threads(store, make_turn):
     assert not errors
     lease, samples = store.pull(100, 10.0)
     assert len(samples) == 6 and all(len(s["input_ids"]) == 2 + 15 * 3 - 1 for s in samples)
+
+
+def test_next_turn_index_follows_the_stored_turns(store, make_turn):
+    store.upsert_session("nx")
+    assert store.next_turn_index("nx") == 0
+    store.add_turn(make_turn("nx", 0, [1, 2], [3]))
+    store.add_turn(make_turn("nx", 1, [1, 2, 3, 4], [5]))
+    assert store.next_turn_index("nx") == 2
+    assert store.next_turn_index("unknown") == 0
