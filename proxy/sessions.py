@@ -243,7 +243,7 @@ class TurnRunner:
             try:
                 # Inline, not in a thread: a WAL commit without fsync takes well under a millisecond,
                 # and a writer thread would pay GIL hand-offs on every SQLite call under load.
-                self._commit(req, plan, result)
+                self._commit(req, plan, result, session)
             except Conflict as exc:  # rewarded while this turn was generating, or a different group
                 now = self.store.get_session(plan.session_id)
                 raise APIError(409, str(exc), code="session_closed" if now is not None and now.closed else "session_conflict") from exc
@@ -267,10 +267,17 @@ class TurnRunner:
             raise APIError(exc.status_code, f"engine error: {exc}", code=exc.code, headers={"Retry-After": "1"}) from exc
         return gen
 
-    def _commit(self, req: TurnRequest, plan: Plan, result: TurnResult) -> None:
+    def _commit(self, req: TurnRequest, plan: Plan, result: TurnResult, known) -> None:
         gen = result.generation
         store = self.store
-        session = store.upsert_session(
+        unchanged = (
+            known is not None
+            and req.group_id in (None, known.group_id)
+            and req.group_size in (None, known.group_size)
+            and not req.metadata
+        )
+        # A continuing turn of a known session writes nothing but the turn: one commit per turn.
+        session = known if unchanged else store.upsert_session(
             plan.session_id, group_id=req.group_id, group_size=req.group_size, metadata=req.metadata or None
         )
         index = store.next_turn_index(plan.session_id)
