@@ -51,7 +51,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def build(settings: Settings):
-    """Engine pool, chat format and (for the embedded default) the engine process."""
+    """Engine pool, chat format and (for the embedded default) a function that stops the engine process."""
     from engines.pool import EnginePool
     from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir, renderer_name_for
 
@@ -62,13 +62,14 @@ def build(settings: Settings):
     if not urls:
         from engines.reference.model_init import ensure_model, read_config
 
-        from .engine_process import EngineProcess
+        from engines.reference.launch import start_engine
 
         model_dir = str(ensure_model(settings.reference_model))
-        engine_proc = EngineProcess(
-            model_dir, script=settings.reference_script, script_delay_ms=settings.reference_script_delay_ms
-        ).wait_ready()
-        urls = [engine_proc.url]
+        url, engine_proc = start_engine(
+            model_dir, script=settings.reference_script, script_delay_s=settings.reference_script_delay_ms / 1000.0,
+            timeout_s=120.0, capture_log=False,
+        )
+        urls = [url]
         tokenizer_path = tokenizer_path or model_dir
         renderer = renderer or "qwen3"  # the bundled model is Qwen3 with the real Qwen3 template
         max_pos = read_config(model_dir).get("max_position_embeddings")
@@ -110,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
     finally:
         if engine_proc is not None:
-            engine_proc.stop()
+            engine_proc()
     return 0
 
 

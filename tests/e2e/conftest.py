@@ -13,13 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engines.reference.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

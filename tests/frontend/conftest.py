@@ -18,6 +18,8 @@ from proxy.turn_types import TurnRequest, TurnResult
 from tokenization.loader import load_tokenizer, make_renderer, qwen3_tokenizer_dir
 from tokenization.parse import parse_output
 
+from engines.reference.launch import free_port
+
 
 @pytest.fixture
 def anyio_backend():
@@ -157,12 +159,6 @@ def build_app(runner, store):
     return app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def server(tok, renderer):
     import uvicorn
@@ -170,7 +166,7 @@ def server(tok, renderer):
     runner = ScriptedRunner(tok, renderer)
     store = MemoryStore()
     app = build_app(runner, store)
-    port = _free_port()
+    port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     srv = uvicorn.Server(config)
     th = threading.Thread(target=srv.run, daemon=True)

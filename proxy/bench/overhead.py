@@ -2,11 +2,11 @@
 
 Three processes besides this one, so that each one's CPU can be read on its own:
 
-* the engine stand-in (``bench_standin.py``): SGLang ``/generate`` and OpenAI ``/v1/chat/completions``
+* the engine stand-in (``standin.py``): SGLang ``/generate`` and OpenAI ``/v1/chat/completions``
   answered instantly with a fixed assistant turn carrying one tool call;
 * the proxies: Splice (``splice serve --engine sglang``) and, when it can be installed, LiteLLM's
   proxy (in its own venv under ``~/.cache/splice``, never in the project's), both in front of it;
-* the load generator (``bench_loadgen.py``), a fresh process per phase, running C concurrent
+* the load generator (``loadgen.py``), a fresh process per phase, running C concurrent
   multi-turn tool-using sessions.
 
 For each concurrency level the targets are measured back to back (interleaved), so drift in the
@@ -22,12 +22,13 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from engines.reference.launch import free_port
 
 HERE = Path(__file__).resolve().parent
 LITELLM_VENV = Path.home() / ".cache" / "splice" / "bench-venv-litellm"
@@ -49,12 +50,6 @@ def add_parser(sub) -> None:
 
 
 # ---------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> str | None:
@@ -144,7 +139,7 @@ def _litellm_start(tmp: str, upstream: str, key: str, procs: list) -> tuple[str 
             "  disable_spend_logs: true\n"
             "  disable_error_logs: true\n"
         )
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "PYTHONPATH", "VIRTUAL_ENV")}
     # No DB, no remote cost-map fetch, errors only on the console.
     env.update(LITELLM_LOG="ERROR", LITELLM_LOCAL_MODEL_COST_MAP="True", DISABLE_SCHEMA_UPDATE="true")
@@ -178,7 +173,7 @@ def _loadgen(spec: dict, tmp: str, timeout: float) -> dict:
     path = os.path.join(tmp, "loadgen.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    r = subprocess.run([sys.executable, str(HERE / "bench_loadgen.py"), path], capture_output=True, timeout=timeout)
+    r = subprocess.run([sys.executable, str(HERE / "loadgen.py"), path], capture_output=True, timeout=timeout)
     if r.returncode:
         return {"lat": [], "wall_s": 0.0, "cpu_s": 0.0, "sessions": 0, "errors": [r.stderr.decode(errors="replace")[-400:]]}
     return json.loads(r.stdout)
@@ -231,7 +226,7 @@ def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, dea
 def run(args) -> dict:
     from tokenization import ChatFormat, Message, Tool, load_tokenizer, qwen3_tokenizer_dir
 
-    from .bench import _table
+    from .micro import _table
 
     tok_dir = str(qwen3_tokenizer_dir())
     tok = load_tokenizer(tok_dir)
@@ -254,14 +249,14 @@ def run(args) -> dict:
         with open(spec_path, "w") as f:
             json.dump({"out_ids": out_ids, "stop_id": tok.convert_tokens_to_ids("<|im_end|>"), "reasoning": "I should call f.",
                        "tool_call": {"name": "f", "arguments": '{"x": 1}'}}, f)
-        sport = _free_port()
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "bench_standin.py"), str(sport), spec_path]))
+        sport = free_port()
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "standin.py"), str(sport), spec_path]))
         surl = f"http://127.0.0.1:{sport}"
         if why := _wait_http(surl + "/health", procs[-1]):
             raise SystemExit(f"engine stand-in: {why}")
 
-        pport = _free_port()
-        env = {**os.environ, "PYTHONPATH": str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        pport = free_port()
+        env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         splice = subprocess.Popen(
             [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
              "serve", "--engine", "sglang", "--engine-url", surl, "--tokenizer", tok_dir, "--renderer", "qwen3",

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from .engine_process import free_port, wait_healthy
+from engines.reference.launch import free_port, wait_healthy
+
 from .invariants import check_sample, check_session
 
 
@@ -47,8 +48,8 @@ SCRIPT = [
 
 def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
     try:
-        wait_healthy(url, proc, timeout_s)
-    except RuntimeError as exc:
+        wait_healthy(url, timeout_s, alive=lambda: proc.poll() is None)
+    except (RuntimeError, TimeoutError) as exc:
         raise SystemExit(f"a demo process did not start: {exc}")
 
 

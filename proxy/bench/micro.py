@@ -171,8 +171,8 @@ def bench_store(args) -> dict:
     import random
     import tracemalloc
 
-    from .records import TurnRecord
-    from .store import Store
+    from proxy.records import TurnRecord
+    from proxy.store import Store
 
     rng = random.Random(0)
     vocab = 151_000
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="run naive cases even when they would not fit in memory")
     p.add_argument("--out")
 
-    from .bench_overhead import add_parser as add_overhead_parser
+    from .overhead import add_parser as add_overhead_parser
 
     add_overhead_parser(sub)
 
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.name == "logprobs":
         res = bench_logprobs(args)
     else:
-        from .bench_overhead import run as _run_overhead
+        from .overhead import run as _run_overhead
 
         res = _run_overhead(args)
     _write(args.out or f"bench_{args.name}.json", res)

@@ -1,4 +1,4 @@
-"""Load generator for ``splice bench overhead``: ``python bench_loadgen.py SPEC.json`` prints JSON results.
+"""Load generator for ``splice bench overhead``: ``python loadgen.py SPEC.json`` prints JSON results.
 
 Runs in its own process so its CPU is not mixed with the orchestrating process or the proxies.
 C workers each run their sessions back to back; a session is a multi-turn tool-using

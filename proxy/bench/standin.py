@@ -1,4 +1,4 @@
-"""Zero-latency engine stand-in for ``splice bench overhead``: ``python bench_standin.py PORT SPEC.json``.
+"""Zero-latency engine stand-in for ``splice bench overhead``: ``python standin.py PORT SPEC.json``.
 
 Runs in its own process so its CPU is never charged to the proxies being measured. It answers
 instantly with fixed replies, so every millisecond above it is the proxy's or the client's:
