@@ -15,6 +15,7 @@ from renderers.configs import DefaultRendererConfig
 from .bridge import BridgeResult, GenericBridge, RendererBridge
 from .conversation import Message, Tool, to_renderer_messages, to_renderer_tools
 from .fast_tokenizer import FastTokenizer
+from .incremental import IncrementalDecoder, generation_starts_in_reasoning, reasoning_token_count, token_bytes
 from .loader import make_renderer
 from .parse import ParsedOutput, parse_output
 
@@ -51,15 +52,42 @@ class ChatFormat:
         else:
             self.renderer = _generic_renderer(tokenizer, template_kwargs)
             self._bridge = GenericBridge(tokenizer, template_kwargs=template_kwargs, encoder=fast)
+        self._stop_ids = frozenset(self.renderer.get_stop_token_ids())
+        self._starts_in_reasoning: bool | None = None
         self.render_calls = 0  # full renders done; lets tests prove the bridge does not re-render
 
     @property
     def is_generic(self) -> bool:
         return self.renderer_name is None
 
+    # -- tokenizer facts the front ends need (derived once, here, not by each caller) ---------
+
     @property
     def stop_token_ids(self) -> list[int]:
-        return list(self.renderer.get_stop_token_ids())
+        return list(self._stop_ids)
+
+    @property
+    def starts_in_reasoning(self) -> bool:
+        """Whether the generation prompt leaves ``<think>`` open (the output starts as reasoning)."""
+        if self._starts_in_reasoning is None:
+            self._starts_in_reasoning = generation_starts_in_reasoning(
+                self.tokenizer, self.renderer, template_kwargs=self.template_kwargs
+            )
+        return self._starts_in_reasoning
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """The exact bytes of each token (for OpenAI's logprob entries)."""
+        return token_bytes(self.tokenizer, list(ids))
+
+    def reasoning_token_count(self, output_ids: list[int]) -> int:
+        """Output tokens spent in the initial reasoning region, markers included."""
+        return reasoning_token_count(
+            self.tokenizer, list(output_ids), start_in_reasoning=self.starts_in_reasoning, stop_ids=self._stop_ids
+        )
+
+    def decoder(self) -> IncrementalDecoder:
+        """A fresh incremental decoder for one streamed output (same boundaries as ``parse``)."""
+        return IncrementalDecoder(self.tokenizer, start_in_reasoning=self.starts_in_reasoning, stop_ids=self._stop_ids)
 
     def render(self, messages: list[Message], tools: list[Tool] | None = None, *, add_generation_prompt: bool = True) -> list[int]:
         """Full render of a conversation to prompt ids."""
