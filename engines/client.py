@@ -3,9 +3,9 @@ are written once and do not know which engine they drive."""
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
-from engines.types import EngineBadResponse, SamplingParams, Segment
+from engines.types import EngineBadResponse, EngineInfo, SamplingParams, Segment
 
 # Called with the output ids (and their behaviour logprobs) new since the previous call.
 TokensCallback = Callable[[list[int], list[float]], Awaitable[None]]
@@ -49,6 +49,49 @@ class EngineClient(Protocol):
     async def weight_version(self) -> str | None: ...
 
     async def health(self) -> bool: ...
+
+    async def info(self) -> EngineInfo:
+        """What the engine says about itself (context length, model, version, control endpoints).
+        Never raises for a missing endpoint (that field stays unknown); raises
+        ``EngineUnavailable`` when the replica cannot be reached at all."""
+        ...
+
+
+def model_card(body: Any) -> dict:
+    """The first entry of an OpenAI ``/v1/models`` list (vLLM and SGLang both add
+    ``max_model_len`` and ``root``), or {} when the body has none."""
+    if not isinstance(body, dict):
+        return {}
+    data = body.get("data")
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        return {}
+    return data[0]
+
+
+def positive_int(value: Any) -> int | None:
+    """``value`` as a positive int (a context length), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return None
+    return n if n > 0 and n == value else None
+
+
+def config_ties_head(config: Any) -> bool | None:
+    """``tie_word_embeddings`` from an HF config dict, looking into nested text configs
+    (multimodal models keep it there); None when the config does not say."""
+    if not isinstance(config, dict):
+        return None
+    value = config.get("tie_word_embeddings")
+    if isinstance(value, bool):
+        return value
+    for key in ("text_config", "llm_config", "language_config"):
+        nested = config_ties_head(config.get(key))
+        if nested is not None:
+            return nested
+    return None
 
 
 def prefill_values(seg: Segment, input_ids: list[int], start: int, replica: str) -> list[float]:

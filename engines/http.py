@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import urllib.parse
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -37,6 +38,24 @@ _ERROR_SNIPPET = 500
 # A replica that does not accept a connection within this long is treated as down (failover),
 # however long generation itself may take.
 CONNECT_TIMEOUT_S = 10.0
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (``http://user:***@host``), for messages.
+
+    The user name stays so an operator can tell replicas apart; the secret never reaches a log
+    line, an exception or ``/admin/status``.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return url
+    if parts.password is None and "@" not in parts.netloc:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user = userinfo.split(":", 1)[0]
+    netloc = f"{user}:***@{hostport}" if ":" in userinfo else (f"{user}@{hostport}" if user else hostport)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def _timeout(total_s: float) -> httpx.Timeout:
@@ -96,7 +115,10 @@ class Http:
 
     def __init__(self, client: httpx.AsyncClient, base_url: str):
         self.client = client
-        self.url = base_url.rstrip("/")
+        # Requests go to the URL as given (httpx turns ``user:pass@`` into basic auth); every
+        # message, error and status shows ``url``, where the password is redacted.
+        self._base = base_url.rstrip("/")
+        self.url = redact_url(self._base)
 
     async def request(
         self,
@@ -115,7 +137,7 @@ class Http:
             headers["content-type"] = "application/json"
         try:
             resp = await self.client.request(
-                method, self.url + path, content=content, headers=headers, timeout=_timeout(timeout)
+                method, self._base + path, content=content, headers=headers, timeout=_timeout(timeout)
             )
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, self.url) from exc
@@ -125,6 +147,18 @@ class Http:
             return None
         return decode_json(resp.content, self.url, path)
 
+    async def probe(self, method: str, path: str, *, timeout: float = 10.0) -> int | None:
+        """The HTTP status ``method path`` answers with, or None when the replica is unreachable.
+
+        Used at start-up to learn which endpoints exist without calling them: ``GET`` on a
+        POST-only route answers 405 where the route exists and 404 where it does not.
+        """
+        try:
+            resp = await self.client.request(method, self._base + path, timeout=_timeout(timeout))
+        except httpx.HTTPError:
+            return None
+        return resp.status_code
+
     @asynccontextmanager
     async def stream(
         self, path: str, body: Any, *, timeout: float, headers: dict[str, str] | None = None
@@ -132,7 +166,7 @@ class Http:
         """POST and yield the open response once its status is known to be 2xx."""
         req = self.client.build_request(
             "POST",
-            self.url + path,
+            self._base + path,
             content=orjson.dumps(body),
             headers={**(headers or {}), "content-type": "application/json", "accept": "text/event-stream"},
             timeout=_timeout(timeout),

@@ -7,7 +7,16 @@ prefill-only logprobs (R2), and broadcasts pause / resume / weight updates to ev
 Pause semantics: ``pause()`` clears the resume event *before* the engines abort their requests,
 so every aborted request is held until ``resume()``; a resumed segment is sent under the version
 current at that moment. Requests that arrive while paused wait too (they would block on the
-engine anyway, and would be stamped with a stale version).
+engine anyway, and would be stamped with a stale version). Pausing is all or nothing: when a
+reachable replica refuses to pause, the replicas that did pause are resumed, the pool is left
+unpaused (held requests continue) and the failing replica's error is raised.
+
+Engine facts: ``start()`` asks every replica what it is (``EngineInfo``: context length, model
+path, served model, weight version, whether it can pause and reload) and ``pool.info`` merges
+them. Context rule: a turn's output is capped so that ``prompt + output + 1 <=
+context_length`` (``max_new_tokens``): the recompute prefill of the whole turn (R2; vLLM
+samples one token even in a prefill, SGLang rejects an input of ``context_length`` tokens) and
+the abort-resume prefill (R1) then always fit.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import inspect
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Literal
 
 import httpx
@@ -27,15 +36,18 @@ from engines.resume import Stitcher, parse_version
 from engines.routing import HashRing
 from engines.sglang import SGLangClient
 from engines.types import (
+    ContextLengthExceeded,
     EngineError,
+    EngineInfo,
     EnginePaused,
     EngineRejected,
     EngineUnavailable,
+    EngineUnsupported,
     EngineVersionChanged,
     Generation,
     SamplingParams,
 )
-from engines.vllm import VLLMClient
+from engines.vllm import TIED_HEAD_WARNING, VLLMClient
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +67,7 @@ class Replica:
     healthy: bool = True
     stale: bool = False  # missed a weight update: not routed to until it has the current weights
     in_flight: int = 0
+    info: EngineInfo | None = None  # what the replica said at start(); None if it was down
 
     @property
     def usable(self) -> bool:
@@ -127,6 +140,7 @@ class EnginePool:
         self._held = 0
         self._model_path: str | None = None
         self._health_task: asyncio.Task | None = None
+        self._info = EngineInfo()
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -143,6 +157,38 @@ class EnginePool:
     def urls(self) -> list[str]:
         return list(self._replicas)
 
+    @property
+    def info(self) -> EngineInfo:
+        """The engines' own facts, merged over replicas (read by ``start()``): the smallest
+        context length, the first replica's model path / served model, the weight version when
+        all replicas agree, ``can_pause`` / ``can_reload`` only when every replica can."""
+        return self._info
+
+    @property
+    def context_length(self) -> int | None:
+        return self._info.context_length
+
+    def max_new_tokens(self, prompt_len: int, requested: int | None = None) -> int:
+        """The output budget for a prompt of ``prompt_len`` tokens: ``requested`` (None: as
+        much as fits) capped at ``context_length - prompt_len - 1``, so prompt + output plus the
+        one token a recompute prefill needs always fit the engine's context.
+
+        Raises ``ContextLengthExceeded`` when not even one output token fits. With an unknown
+        context length, returns ``requested`` (or raises ``ValueError`` when it is None too).
+        """
+        ctx = self._info.context_length
+        if ctx is None:
+            if requested is None:
+                raise ValueError("the engine's context length is unknown: pass an explicit max_new_tokens")
+            return int(requested)
+        room = ctx - int(prompt_len) - 1
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt has {prompt_len} tokens; the engine's context length is {ctx} tokens, which "
+                f"leaves no room for output (prompt + output + 1 must fit)"
+            )
+        return room if requested is None else max(0, min(int(requested), room))
+
     def set_version(self, v: int) -> None:
         """Set V when the trainer moved the weights itself (or after a restart)."""
         self._version = int(v)
@@ -154,6 +200,9 @@ class EnginePool:
             "paused": self._paused,
             "in_flight": self._in_flight,
             "held": self._held,
+            "context_length": self._info.context_length,
+            "can_pause": self._info.can_pause,
+            "can_reload": self._info.can_reload,
             "replicas": [
                 {"url": r.url, "healthy": r.healthy, "stale": r.stale, "in_flight": r.in_flight}
                 for r in self._replicas.values()
@@ -162,22 +211,41 @@ class EnginePool:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Probe the replicas, learn vLLM's model name if none was given, start health checks."""
+    async def start(self, *, require_control: bool = False) -> None:
+        """Probe the replicas, read their facts (``info``), start health checks.
+
+        vLLM requests need the served model's name: when none was given it is the engine's.
+        Missing pause / reload endpoints are logged as warnings (the pool still serves
+        generation); ``require_control=True`` makes them an ``EngineUnsupported`` error.
+        """
         await self.health()
-        if self.kind == "vllm" and not self.model:
+        await self.refresh_info()
+        if self.kind == "vllm" and not self.model and self._info.served_model:
+            self.model = self._info.served_model
             for r in self._replicas.values():
-                if r.healthy:
-                    try:
-                        self.model = await r.client.served_model()  # type: ignore[attr-defined]
-                    except EngineError as exc:
-                        log.warning("could not read the served model from %s: %s", r.url, exc)
-                        continue
-                    for rr in self._replicas.values():
-                        rr.client.model = self.model  # type: ignore[attr-defined]
-                    break
+                r.client.model = self.model  # type: ignore[attr-defined]
+        for w in self._info.warnings:
+            log.warning("%s", w)
+        if require_control and not (self._info.can_pause and self._info.can_reload):
+            raise EngineUnsupported("engines lack pause / weight-update endpoints: " + "; ".join(self._info.warnings))
         if self.health_interval_s > 0 and self._health_task is None:
             self._health_task = asyncio.create_task(self._health_loop(), name="splice-engine-health")
+
+    async def refresh_info(self) -> EngineInfo:
+        """Ask every healthy replica for its ``EngineInfo`` and merge them into ``info``."""
+
+        async def ask(r: Replica) -> None:
+            if not r.healthy:
+                return
+            try:
+                r.info = await r.client.info()
+            except EngineError as exc:
+                self._note_error(r, exc)
+                log.warning("could not read the engine facts of %s: %s", r.url, exc)
+
+        await asyncio.gather(*(ask(r) for r in self._replicas.values()))
+        self._info = merge_info([r.info for r in self._replicas.values()], [r.url for r in self._replicas.values()])
+        return self._info
 
     async def close(self) -> None:
         """Stop health checks, release held requests (they fail with EngineUnavailable)."""
@@ -275,6 +343,8 @@ class EnginePool:
         """
         if self._closed:
             raise EngineUnavailable("the engine pool is closed")
+        if self._info.context_length is not None:
+            params = replace(params, max_new_tokens=self.max_new_tokens(len(input_ids), params.max_new_tokens))
         stitch = Stitcher(list(input_ids), params)
         delivered = 0
         user_cb = _adapt_callback(on_tokens)
@@ -392,10 +462,43 @@ class EnginePool:
         return down
 
     async def pause(self) -> None:
-        """Pause every replica (mode abort). In-flight requests come back partial and are held."""
+        """Pause every replica (mode abort). In-flight requests come back partial and are held.
+
+        All or nothing: if a reachable replica fails to pause, the replicas that paused are
+        resumed, the pool is left unpaused (held requests go on) and the failing replica's error
+        is raised, naming it. An unreachable replica is skipped as in every broadcast (it serves
+        nothing; a weight update then marks it stale); all of them unreachable is an error.
+        """
         self._paused = True
         self._resumed.clear()
-        await self._broadcast("pause", lambda r: r.client.pause())
+        replicas = list(self._replicas.values())
+        results = await asyncio.gather(*(r.client.pause() for r in replicas), return_exceptions=True)
+        paused = [r for r, res in zip(replicas, results) if not isinstance(res, BaseException)]
+        failed: list[tuple[Replica, BaseException]] = []
+        for r, res in zip(replicas, results):
+            if isinstance(res, EngineUnavailable):
+                self._note_error(r, res)
+            elif isinstance(res, BaseException):
+                failed.append((r, res))
+        if not failed and paused:
+            return
+        if not failed:  # every replica unreachable
+            failed = [(r, res) for r, res in zip(replicas, results) if isinstance(res, BaseException)]
+        undo = await asyncio.gather(*(r.client.resume() for r in paused), return_exceptions=True)
+        not_resumed = [r.url for r, res in zip(paused, undo) if isinstance(res, BaseException)]
+        self._paused = False
+        self._resumed.set()
+        first_r, first_exc = failed[0]
+        detail = "; ".join(f"{r.url}: {exc}" for r, exc in failed)
+        msg = f"pause failed on {', '.join(r.url for r, _ in failed)} ({detail}); resumed {len(paused) - len(not_resumed)} replica(s) that had paused; the pool is not paused"
+        if not_resumed:
+            msg += f"; could not resume {', '.join(not_resumed)}"
+        cls = type(first_exc) if isinstance(first_exc, EngineError) else EngineError
+        try:
+            err = cls(msg, replica=first_r.url, retryable=False)
+        except TypeError:
+            err = EngineError(msg, replica=first_r.url, retryable=False)
+        raise err from first_exc
 
     async def resume(self) -> None:
         """Resume every replica; held requests re-send (and pick up their proximal values)."""
@@ -411,13 +514,18 @@ class EnginePool:
         A replica that is down is marked stale (no traffic) and brought up to date by the health
         loop when it returns; V is set as long as one replica has the new weights. When a
         reachable replica fails to load them this raises ``EngineError`` and V is unchanged
-        (retry the update); vLLM raises ``EngineUnsupported`` (use ``set_version``).
+        (retry the update). ``model_path`` is a path on the engines' filesystem, passed untouched
+        (SGLang ``/update_weights_from_disk``; vLLM dev mode ``/collective_rpc`` reload_weights,
+        then ``/update_weight_version``, read back from ``/weight_info``); a vLLM without dev mode
+        raises ``EngineUnsupported`` (use ``set_version``).
         """
 
         async def load(r: Replica) -> None:
             await r.client.update_weights(model_path, version)
             r.stale = False
 
+        if self.kind == "vllm" and self._info.tied_lm_head:
+            log.warning("vLLM update_weights(%r): %s", model_path, TIED_HEAD_WARNING)
         down = await self._broadcast(f"update_weights({model_path!r}, v{version})", load)
         for r in down:
             r.stale = True
@@ -456,3 +564,32 @@ class EnginePool:
                         await self._resync(r)
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("engine health check failed")
+
+
+def merge_info(infos: list[EngineInfo | None], urls: list[str]) -> EngineInfo:
+    """One ``EngineInfo`` for the pool from each replica's (None: the replica did not answer)."""
+    known = [(u, i) for u, i in zip(urls, infos) if i is not None]
+    if not known:
+        return EngineInfo(warnings=("no engine replica answered at start-up: engine facts unknown",))
+    warnings: list[str] = [w for _, i in known for w in i.warnings]
+    contexts = [i.context_length for _, i in known if i.context_length is not None]
+    if len(set(contexts)) > 1:
+        warnings.append(f"replicas report different context lengths {sorted(set(contexts))}: using the smallest")
+    served = [i.served_model for _, i in known if i.served_model]
+    if len(set(served)) > 1:
+        warnings.append(f"replicas serve different models {sorted(set(served))}")
+    versions = [i.weight_version for _, i in known]
+    version = versions[0] if len(set(versions)) == 1 else None
+    if len(set(versions)) > 1:
+        warnings.append(f"replicas report different weight versions {versions}")
+    ties = [i.tied_lm_head for _, i in known if i.tied_lm_head is not None]
+    return EngineInfo(
+        context_length=min(contexts) if contexts else None,
+        model_path=next((i.model_path for _, i in known if i.model_path), None),
+        served_model=served[0] if served else None,
+        weight_version=version,
+        can_pause=all(i.can_pause for _, i in known),
+        can_reload=all(i.can_reload for _, i in known),
+        tied_lm_head=(True in ties) if ties else None,
+        warnings=tuple(warnings),
+    )

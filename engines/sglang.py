@@ -15,11 +15,13 @@ from typing import Any
 
 import httpx
 
-from engines.client import TokensCallback, prefill_values
+from engines.client import TokensCallback, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, expect_dict
+from engines.resume import parse_version
 from engines.types import (
     EngineBadResponse,
     EngineError,
+    EngineInfo,
     EngineRejected,
     EngineUnavailable,
     FinishReason,
@@ -279,4 +281,47 @@ class SGLangClient:
         except EngineError:
             return False
         return True
+
+    async def _get_first(self, *paths: str) -> dict:
+        """The JSON object of the first of ``paths`` that answers (newer name first); {} if none.
+        Raises ``EngineUnavailable`` when the replica cannot be reached."""
+        for path in paths:
+            try:
+                body = await self.http.request("GET", path, timeout=self.admin_timeout_s)
+            except (EngineRejected, EngineBadResponse):
+                continue
+            if isinstance(body, dict):
+                return body
+        return {}
+
+    async def info(self) -> EngineInfo:
+        """``/v1/models`` (``max_model_len``: SGLang's resolved context length, ``id``),
+        ``/model_info`` (``model_path``, ``weight_version``), ``/server_info`` (the
+        ``context_length`` server argument, when ``/v1/models`` lacks it), and which control
+        endpoints exist (``GET`` on a POST route answers 405 where it exists)."""
+        card = model_card(await self._get_first("/v1/models"))
+        minfo = await self._get_first("/model_info", "/get_model_info")
+        context = positive_int(card.get("max_model_len"))
+        if context is None:
+            context = positive_int((await self._get_first("/server_info", "/get_server_info")).get("context_length"))
+        statuses = [await self.http.probe("GET", p) for p in ("/pause_generation", "/continue_generation", "/update_weights_from_disk")]
+        can_pause = statuses[0] == 405 and statuses[1] == 405
+        can_reload = statuses[2] == 405
+        warnings: list[str] = []
+        if not can_pause:
+            warnings.append(f"{self.url}: no /pause_generation + /continue_generation (HTTP {statuses[:2]}); pausing for weight updates will fail")
+        if not can_reload:
+            warnings.append(f"{self.url}: no /update_weights_from_disk (HTTP {statuses[2]}); load weights yourself and set the version")
+        served = card.get("id") or minfo.get("served_model_name")
+        path = minfo.get("model_path") or card.get("root")
+        return EngineInfo(
+            context_length=context,
+            model_path=str(path) if path else None,
+            served_model=str(served) if served else None,
+            weight_version=parse_version(minfo.get("weight_version")),
+            can_pause=can_pause,
+            can_reload=can_reload,
+            tied_lm_head=None,
+            warnings=tuple(warnings),
+        )
 

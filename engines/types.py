@@ -69,6 +69,42 @@ class Segment:
     weight_version_spans: tuple[tuple[int, int, str], ...] = ()
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine says about itself, read from the engine at ``EnginePool.start()``.
+
+    Every field is None / False when the engine did not say (older release, endpoint missing,
+    replica down at start-up); nothing here is guessed from Splice's own configuration.
+
+    - ``context_length``: the longest sequence (prompt + output) the engine accepts: vLLM's and
+      SGLang's ``/v1/models`` ``max_model_len``, else SGLang's ``/server_info``
+      ``context_length``.
+    - ``model_path``: where the engine loaded the model from, on the engine's filesystem
+      (vLLM's ``/v1/models`` ``root``, SGLang's ``/model_info`` ``model_path``): the default
+      tokenizer when it is readable where the proxy runs.
+    - ``served_model``: the model id to send in requests (``/v1/models`` ``id``).
+    - ``weight_version``: the engine's weight version when it is an integer (SGLang
+      ``/model_info``, vLLM ``/weight_info``); None for "default" or when not reported.
+    - ``can_pause``: the pause / resume endpoints exist (SGLang ``/pause_generation`` +
+      ``/continue_generation``; vLLM ``/pause`` + ``/resume``, dev mode only).
+    - ``can_reload``: weights can be loaded from disk over HTTP (SGLang
+      ``/update_weights_from_disk``; vLLM ``/collective_rpc`` + ``/update_weight_version`` +
+      ``/weight_info``, dev mode only).
+    - ``tied_lm_head``: the model ties its LM head to the embeddings (``tie_word_embeddings``),
+      None when unknown. vLLM 0.32's in-place reload does not reload a tied head.
+    - ``warnings``: what an operator should know (missing dev mode, tied head on vLLM, ...).
+    """
+
+    context_length: int | None = None
+    model_path: str | None = None
+    served_model: str | None = None
+    weight_version: int | None = None
+    can_pause: bool = False
+    can_reload: bool = False
+    tied_lm_head: bool | None = None
+    warnings: tuple[str, ...] = ()
+
+
 class EngineError(Exception):
     """Base for engine failures. ``retryable`` is true only when nothing was generated."""
 
@@ -132,3 +168,11 @@ class EngineRejected(EngineError):
 
     def __init__(self, message: str, *, replica: str = "", retryable: bool = False):
         super().__init__(message, replica=replica, retryable=retryable)
+
+
+class ContextLengthExceeded(EngineRejected):
+    """The prompt leaves no room for one output token plus the recompute prefill of the turn
+    (``EnginePool.max_new_tokens``); OpenAI's code for it is ``context_length_exceeded``."""
+
+    status_code = 400
+    code = "context_length_exceeded"

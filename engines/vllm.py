@@ -3,9 +3,21 @@
 The prompt goes in as ids; ids come back as ``"token_id:N"`` strings (and ``token_ids``), so
 nothing is ever decoded and re-encoded. ``echo`` is only sent when prompt logprobs are owed,
 because it disables prefix-cache reads. vLLM clamps ``-inf`` to ``-9999.0``; Splice keeps that
-value (``engines.http.NEG_INF_LOGPROB``) for every engine. vLLM has no standard HTTP endpoint
-for loading weights, so ``update_weights`` raises ``EngineUnsupported``: move weights with your
-own mechanism and tell Splice the version (``EnginePool.set_version``).
+value (``engines.http.NEG_INF_LOGPROB``) for every engine.
+
+Control goes through vLLM's development endpoints (``VLLM_SERVER_DEV_MODE=1``, vLLM 0.19+;
+wire shapes from vLLM 0.32's ``entrypoints/rl/online/api_router.py`` and
+``entrypoints/serve/dev/rpc/api_router.py``):
+
+- ``POST /pause?mode=abort`` / ``POST /resume``;
+- ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": PATH}}`` loads
+  weights from disk in place (``{"results": [null, ...]}``, one entry per worker);
+- ``POST /update_weight_version {"new_version": "7"}`` and ``GET /weight_info``
+  (``{"weight_version": "7"}``; ``"default"`` before any update).
+
+Without dev mode those routes do not exist (HTTP 404): ``info()`` says so at start-up, and the
+calls raise ``EngineUnsupported`` naming the missing setting. vLLM 0.32 does not reload an LM
+head tied to the embeddings (``tie_word_embeddings``); ``info().tied_lm_head`` reports it.
 """
 
 from __future__ import annotations
@@ -14,19 +26,34 @@ from typing import Any
 
 import httpx
 
-from engines.client import TokensCallback, prefill_values
+import logging
+import os
+
+from engines.client import TokensCallback, config_ties_head, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, expect_dict
+from engines.resume import parse_version
 from engines.types import (
     EngineBadResponse,
     EngineError,
+    EngineInfo,
+    EngineRejected,
     EngineUnsupported,
     FinishReason,
     SamplingParams,
     Segment,
 )
 
+log = logging.getLogger(__name__)
+
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _PATH = "/v1/completions"
+DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (vLLM >= 0.19) for its pause / weight endpoints"
+TIED_HEAD_WARNING = (
+    "the model ties its LM head to the embeddings (tie_word_embeddings) and vLLM's in-place "
+    "reload_weights does not reload a tied head: after a weight update vLLM samples with the new "
+    "body and the OLD head, so its logprobs are not the published policy's. Publish checkpoints "
+    "with an untied lm_head (or restart vLLM on the new weights)"
+)
 
 
 def completion_payload(
@@ -212,21 +239,116 @@ class VLLMClient:
         seg = await self.generate(input_ids, SamplingParams(max_new_tokens=1), rid="", input_logprobs_from=start)
         return prefill_values(seg, input_ids, start, self.url), None
 
+    async def _dev(self, method: str, path: str, body: dict | None = None, *, timeout: float | None = None):
+        """A dev-mode call; a missing route (HTTP 404) becomes ``EngineUnsupported``."""
+        try:
+            return await self.http.request(method, path, body=body, timeout=timeout or self.admin_timeout_s, allow_empty=True)
+        except EngineRejected as exc:
+            if " HTTP 404:" in str(exc):
+                raise EngineUnsupported(f"{self.url}{path} does not exist: {DEV_MODE_HINT}", replica=self.url) from exc
+            raise
+
     async def pause(self) -> None:
-        await self.http.request("POST", "/pause?mode=abort", timeout=self.admin_timeout_s, allow_empty=True)
+        await self._dev("POST", "/pause?mode=abort")
 
     async def resume(self) -> None:
-        await self.http.request("POST", "/resume", timeout=self.admin_timeout_s, allow_empty=True)
+        await self._dev("POST", "/resume")
 
     async def update_weights(self, model_path: str, version: int) -> None:
-        raise EngineUnsupported(
-            f"{self.url}: vLLM has no standard HTTP endpoint to load weights from {model_path!r}; "
-            "load them with your trainer's mechanism, then set the version (POST /admin/version)",
-            replica=self.url,
-        )
+        """Reload weights in place from ``model_path`` (a path on the engine's filesystem, sent
+        untouched), then set and read back the weight version.
+
+        The engine's answer decides: an error reply from ``reload_weights`` (bad path, shape
+        mismatch) raises and the version is not touched; a version that does not read back
+        raises ``EngineBadResponse``.
+        """
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}}
+        try:
+            reply = await self._dev("POST", "/collective_rpc", body, timeout=self.timeout_s)
+        except EngineUnsupported:
+            raise
+        except EngineError as exc:
+            # vLLM 0.32: a reload that fails inside the worker (bad path, wrong shapes) kills the
+            # EngineCore; say so, so the operator restarts the engine rather than retrying.
+            if not await self.health():
+                exc.args = (f"{exc.args[0]}; the engine is no longer healthy (a failed vLLM reload_weights kills its EngineCore: restart it)",)
+            exc.retryable = False
+            raise
+        if isinstance(reply, dict) and isinstance(reply.get("results"), list):
+            errors = [r for r in reply["results"] if isinstance(r, dict) and r.get("error")]
+            if errors:
+                raise EngineRejected(f"{self.url}: reload_weights({model_path!r}) failed: {errors[0]['error']}", replica=self.url)
+        await self._dev("POST", "/update_weight_version", {"new_version": str(int(version))})
+        now = await self.weight_version()
+        if parse_version(now) != int(version):
+            raise EngineBadResponse(
+                f"{self.url}: weight version reads back as {now!r} after setting {version}", replica=self.url, retryable=False
+            )
 
     async def weight_version(self) -> str | None:
-        return None  # vLLM does not report one
+        """``GET /weight_info`` (dev mode); None when the engine does not report one."""
+        try:
+            body = await self._dev("GET", "/weight_info")
+        except EngineUnsupported:
+            return None
+        wv = body.get("weight_version") if isinstance(body, dict) else None
+        return None if wv is None else str(wv)
+
+    async def _tied_head(self, root: str | None) -> bool | None:
+        """``tie_word_embeddings`` of the served model: from the engine's own config
+        (``/server_info?config_format=json``, dev mode), else from ``root/config.json`` when that
+        path is readable here (the engine runs on this host)."""
+        try:
+            body = await self.http.request("GET", "/server_info?config_format=json", timeout=self.admin_timeout_s)
+        except (EngineRejected, EngineBadResponse):
+            body = None
+        if isinstance(body, dict):
+            cfg = body.get("vllm_config")
+            model_cfg = cfg.get("model_config") if isinstance(cfg, dict) else None
+            hf = model_cfg.get("hf_config") if isinstance(model_cfg, dict) else None
+            tied = config_ties_head(hf) if isinstance(hf, dict) else None
+            if tied is None and isinstance(hf, str) and "tie_word_embeddings" in hf:
+                tied = '"tie_word_embeddings": true' in hf
+            if tied is not None:
+                return tied
+        if root:
+            try:
+                import json
+
+                with open(os.path.join(root, "config.json"), encoding="utf-8") as f:
+                    return config_ties_head(json.load(f))
+            except (OSError, ValueError):
+                return None
+        return None
+
+    async def info(self) -> EngineInfo:
+        """``/v1/models`` (``id``, ``root`` = model path, ``max_model_len``), ``/weight_info``,
+        and whether the dev-mode control endpoints exist (``GET`` on a POST-only route answers
+        405 where it exists, 404 where it does not)."""
+        body = await self.http.request("GET", "/v1/models", timeout=self.admin_timeout_s)
+        card = model_card(body)
+        statuses = {p: await self.http.probe("GET", p) for p in ("/pause", "/resume", "/collective_rpc", "/update_weight_version")}
+        can_pause = statuses["/pause"] == 405 and statuses["/resume"] == 405
+        can_reload = statuses["/collective_rpc"] == 405 and statuses["/update_weight_version"] == 405
+        version = await self.weight_version() if can_reload else None
+        root = card.get("root")
+        tied = await self._tied_head(str(root) if root else None)
+        warnings: list[str] = []
+        if not (can_pause and can_reload):
+            missing = [p for p, st in statuses.items() if st != 405]
+            warnings.append(f"{self.url}: no {', '.join(missing)}: {DEV_MODE_HINT}; until then pause and weight updates fail")
+        if tied and can_reload:
+            warnings.append(f"{self.url}: {TIED_HEAD_WARNING}")
+        return EngineInfo(
+            context_length=positive_int(card.get("max_model_len")),
+            model_path=str(root) if root else None,
+            served_model=str(card["id"]) if card.get("id") else None,
+            weight_version=parse_version(version),
+            can_pause=can_pause,
+            can_reload=can_reload,
+            tied_lm_head=tied,
+            warnings=tuple(warnings),
+        )
 
     async def served_model(self) -> str:
         """The first model id ``/v1/models`` lists (``model`` is required in vLLM requests)."""

@@ -94,12 +94,43 @@ def sse(frames: list[dict]) -> bytes:
     return b"".join(b"data: " + json.dumps(f).encode() + b"\n\n" for f in frames) + b"data: [DONE]\n\n"
 
 
+METHOD_NOT_ALLOWED = httpx.Response(405, json={"detail": "Method Not Allowed"})
+NOT_FOUND = httpx.Response(404, json={"detail": "Not Found"})
+
+
+def model_card(served: str, root: str, max_model_len: int | None, owned_by: str) -> dict:
+    """One ``/v1/models`` entry as vLLM's and SGLang's ``ModelCard`` serialise it."""
+    return {
+        "id": served,
+        "object": "model",
+        "created": 1700000000,
+        "owned_by": owned_by,
+        "root": root,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [],
+    }
+
+
 class FakeSGLang:
     """A scripted SGLang replica on a respx router."""
 
-    def __init__(self, router: respx.MockRouter, url: str, *, version: str = "0"):
+    def __init__(
+        self,
+        router: respx.MockRouter,
+        url: str,
+        *,
+        version: str = "0",
+        context_length: int | None = 32768,
+        model_path: str = "/models/Qwen3-8B",
+        served_model: str = "Qwen/Qwen3-8B",
+    ):
         self.url = url.rstrip("/")
         self.version = version
+        self.context_length = context_length
+        self.model_path = model_path
+        self.served_model = served_model
+        self.pause_status = 200
         self.script: list[Step] = []
         self.requests: list[dict] = []
         self.headers: list[httpx.Headers] = []
@@ -115,6 +146,22 @@ class FakeSGLang:
         router.post(f"{self.url}/abort_request").mock(side_effect=self._admin)
         router.get(f"{self.url}/model_info").mock(side_effect=self._model_info)
         router.get(f"{self.url}/health").mock(return_value=httpx.Response(200))
+        router.get(f"{self.url}/v1/models").mock(side_effect=self._models)
+        router.get(f"{self.url}/server_info").mock(side_effect=self._server_info)
+        for path in ("/pause_generation", "/continue_generation", "/update_weights_from_disk"):
+            router.get(f"{self.url}{path}").mock(return_value=METHOD_NOT_ALLOWED)
+
+    async def _models(self, request: httpx.Request) -> httpx.Response:
+        # SGLang's card: root is the served name, max_model_len the resolved context length.
+        card = model_card(self.served_model, self.served_model, self.context_length, "sglang")
+        return httpx.Response(200, json={"object": "list", "data": [card]})
+
+    async def _server_info(self, request: httpx.Request) -> httpx.Response:
+        # server_args fields: context_length is the --context-length argument (None when unset).
+        return httpx.Response(
+            200,
+            json={"model_path": self.model_path, "context_length": None, "tp_size": 1, "version": "0.5.23", "internal_states": [{}]},
+        )
 
     @property
     def int_version(self) -> int:
@@ -123,6 +170,8 @@ class FakeSGLang:
     async def _admin(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
         self.admin.append((request.url.path, body))
+        if request.url.path == "/pause_generation" and self.pause_status != 200:
+            return httpx.Response(self.pause_status, json={"error": {"message": "pause failed: scheduler busy"}})
         return httpx.Response(200, json={"success": True} if request.url.path != "/pause_generation" else None)
 
     async def _update(self, request: httpx.Request) -> httpx.Response:
@@ -134,7 +183,21 @@ class FakeSGLang:
         return httpx.Response(200, json={"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
 
     async def _model_info(self, request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"model_path": "/m", "is_generation": True, "weight_version": self.version})
+        return httpx.Response(
+            200,
+            json={
+                "model_path": self.model_path,
+                "served_model_name": self.served_model,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "qwen3",
+                "architectures": ["Qwen3ForCausalLM"],
+            },
+        )
 
     async def _generate(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
@@ -263,28 +326,100 @@ def vllm_stream(input_ids: list[int], step: Step, *, echo: bool, prefill: Callab
 
 
 class FakeVLLM:
-    """A scripted vLLM replica on a respx router. vLLM reports no weight version: the test sets
-    ``version`` to the weights it pretends to have."""
+    """A scripted vLLM replica on a respx router. Completions report no weight version: the test
+    sets ``version`` to the weights it pretends to have. With ``dev_mode`` (``VLLM_SERVER_DEV_MODE=1``)
+    it has vLLM 0.32's control routes: ``/pause``, ``/resume``, ``/is_paused``, ``/collective_rpc``,
+    ``/update_weight_version``, ``/weight_info``, ``/server_info``; without it they are 404."""
 
-    def __init__(self, router: respx.MockRouter, url: str, *, version: int = 0):
+    def __init__(
+        self,
+        router: respx.MockRouter,
+        url: str,
+        *,
+        version: int = 0,
+        dev_mode: bool = True,
+        max_model_len: int | None = 4096,
+        root: str = "/models/tiny",
+        served: str = "tiny",
+        tied: bool | None = False,
+    ):
         self.url = url.rstrip("/")
         self.version = version
         self.script: list[Step] = []
         self.requests: list[dict] = []
         self.admin: list[str] = []
+        self.rpc: list[dict] = []
         self.prefill_lp: Callable[[int, int, int], float] = default_lp
         self.on_abort: Callable[[], Awaitable[None]] | None = None
+        self.weight_version = "default"  # vLLM's EngineCore starts with "default"
+        self.root = root
+        self.tied = tied
+        self.reload_error: str | None = None  # reply 500 with this message to reload_weights
+        self.pause_status = 200
+        self.keep_version = False  # acknowledge /update_weight_version but keep the old one
         router.post(f"{self.url}/v1/completions").mock(side_effect=self._complete)
-        router.post(f"{self.url}/pause").mock(side_effect=self._admin)
-        router.post(f"{self.url}/resume").mock(side_effect=self._admin)
         router.get(f"{self.url}/health").mock(return_value=httpx.Response(200))
         router.get(f"{self.url}/v1/models").mock(
-            return_value=httpx.Response(200, json={"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+            return_value=httpx.Response(
+                200, json={"object": "list", "data": [model_card(served, root, max_model_len, "vllm")]}
+            )
         )
+        dev = {
+            ("POST", "/pause"): self._pause,
+            ("POST", "/resume"): self._admin,
+            ("POST", "/collective_rpc"): self._collective_rpc,
+            ("POST", "/update_weight_version"): self._update_weight_version,
+            ("GET", "/weight_info"): self._weight_info,
+            ("GET", "/is_paused"): lambda r: httpx.Response(200, json={"is_paused": False}),
+            ("GET", "/server_info"): self._server_info,
+        }
+        for (method, path), handler in dev.items():
+            route = router.route(method=method, url__regex=rf"^{self.url}{path}(\?.*)?$")
+            route.mock(side_effect=handler if dev_mode else (lambda r: NOT_FOUND))
+            if method == "POST":
+                router.get(f"{self.url}{path}").mock(return_value=METHOD_NOT_ALLOWED if dev_mode else NOT_FOUND)
 
     async def _admin(self, request: httpx.Request) -> httpx.Response:
         self.admin.append(str(request.url.copy_with(scheme="http", host="h", port=None)).replace("http://h", ""))
-        return httpx.Response(200)
+        path = request.url.path
+        return httpx.Response(200, json={"status": "paused" if path == "/pause" else "resumed"})
+
+    async def _pause(self, request: httpx.Request) -> httpx.Response:
+        if self.pause_status != 200:
+            self.admin.append("/pause FAILED")
+            return httpx.Response(self.pause_status, json={"error": "Failed to pause generation: engine dead"})
+        return await self._admin(request)
+
+    async def _collective_rpc(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.rpc.append(body)
+        if body.get("method") != "reload_weights":
+            return httpx.Response(200, json={"results": [None]})
+        if self.reload_error is not None:
+            # an exception in the worker surfaces as FastAPI's 500
+            return httpx.Response(500, content=b"Internal Server Error")
+        return httpx.Response(200, json={"results": [None]})
+
+    async def _update_weight_version(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.admin.append(f"/update_weight_version {body}")
+        if self.keep_version:
+            return httpx.Response(200, json={"success": True, "new_version": body["new_version"]})
+        self.weight_version = body["new_version"]
+        if str(self.weight_version).isdigit():
+            self.version = int(self.weight_version)
+        return httpx.Response(200, json={"success": True, "new_version": body["new_version"]})
+
+    async def _weight_info(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"weight_version": self.weight_version})
+
+    async def _server_info(self, request: httpx.Request) -> httpx.Response:
+        hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+        if self.tied is not None:
+            hf["tie_word_embeddings"] = self.tied
+        return httpx.Response(
+            200, json={"vllm_config": {"model_config": {"model": self.root, "hf_config": hf}}, "vllm_env": {}, "system_env": {}}
+        )
 
     async def _complete(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)

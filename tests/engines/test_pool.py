@@ -480,10 +480,10 @@ def test_update_weights_marks_a_down_replica_stale_and_routes_around_it():
     assert replicas[1]["url"] == B and replicas[1]["stale"] is True
 
 
-def test_vllm_update_weights_is_unsupported_but_set_version_works():
+def test_vllm_without_dev_mode_update_weights_is_unsupported_but_set_version_works():
     async def go():
         with respx.mock(assert_all_called=False) as router:
-            FakeVLLM(router, A)
+            FakeVLLM(router, A, dev_mode=False)
             pool = make_pool("vllm")
             await pool.start()  # learns the served model name from /v1/models
             with pytest.raises(EngineUnsupported):

@@ -122,7 +122,23 @@ def test_prefill_uses_max_tokens_1_and_echo():
     assert values == [-12.0, -13.0] and wv is None
 
 
-def test_admin_paths_and_no_weight_loading():
+def test_admin_paths_without_dev_mode_name_the_setting():
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeVLLM(router, URL, dev_mode=False)
+            async with httpx.AsyncClient() as http:
+                c = VLLMClient(http, URL)
+                for call in (c.pause(), c.resume(), c.update_weights("/ckpt", 1)):
+                    with pytest.raises(EngineUnsupported, match="VLLM_SERVER_DEV_MODE=1"):
+                        await call
+                return fake.admin, await c.served_model(), await c.health(), await c.weight_version()
+
+    admin, model, healthy, wv = run(go())
+    assert admin == []
+    assert model == "tiny" and healthy is True and wv is None
+
+
+def test_dev_mode_pause_resume_paths():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeVLLM(router, URL)
@@ -130,10 +146,108 @@ def test_admin_paths_and_no_weight_loading():
                 c = VLLMClient(http, URL)
                 await c.pause()
                 await c.resume()
-                with pytest.raises(EngineUnsupported, match="no standard HTTP endpoint"):
-                    await c.update_weights("/ckpt", 1)
-                return fake.admin, await c.served_model(), await c.health()
+                return fake.admin
 
-    admin, model, healthy = run(go())
-    assert admin == ["/pause?mode=abort", "/resume"]
-    assert model == "tiny" and healthy is True
+    assert run(go()) == ["/pause?mode=abort", "/resume"]
+
+
+def test_update_weights_wire_shape_version_and_readback():
+    """reload_weights through /collective_rpc with the path untouched, then the version."""
+
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeVLLM(router, URL)
+            async with httpx.AsyncClient() as http:
+                c = VLLMClient(http, URL, model="tiny")
+                before = await c.weight_version()
+                await c.update_weights("relative dir/ckpt v7", 7)  # the engine's path, never resolved here
+                return fake, before, await c.weight_version()
+
+    fake, before, after = run(go())
+    assert fake.rpc == [{"method": "reload_weights", "kwargs": {"weights_path": "relative dir/ckpt v7"}}]
+    assert fake.admin == ["/update_weight_version {'new_version': '7'}"]
+    assert before == "default" and after == "7"
+
+
+def test_update_weights_failure_raises_and_sets_no_version():
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeVLLM(router, URL)
+            fake.reload_error = "no such dir"
+            async with httpx.AsyncClient() as http:
+                c = VLLMClient(http, URL)
+                with pytest.raises(EngineBadResponse, match="collective_rpc: HTTP 500") as err:
+                    await c.update_weights("/missing", 3)
+                return fake, err.value
+
+    fake, err = run(go())
+    assert not any("update_weight_version" in a for a in fake.admin) and fake.weight_version == "default"
+    assert err.retryable is False
+
+
+def test_update_weights_reports_a_dead_engine_after_a_failed_reload():
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeVLLM(router, URL)
+            fake.reload_error = "boom"
+            router.get(f"{URL}/health").mock(side_effect=httpx.ConnectError("refused"))
+            async with httpx.AsyncClient() as http:
+                with pytest.raises(EngineBadResponse, match="kills its EngineCore"):
+                    await VLLMClient(http, URL).update_weights("/bad", 1)
+
+    run(go())
+
+
+def test_update_weights_version_that_does_not_read_back_is_an_error():
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            FakeVLLM(router, URL).keep_version = True
+            async with httpx.AsyncClient() as http:
+                with pytest.raises(EngineBadResponse, match="reads back as 'default'"):
+                    await VLLMClient(http, URL).update_weights("/ckpt", 2)
+
+    run(go())
+
+
+def test_info_dev_mode():
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeVLLM(router, URL, max_model_len=4096, root="/models/tiny", served="tiny")
+            fake.weight_version = "3"
+            async with httpx.AsyncClient() as http:
+                return await VLLMClient(http, URL).info()
+
+    info = run(go())
+    assert info.context_length == 4096 and info.model_path == "/models/tiny" and info.served_model == "tiny"
+    assert info.weight_version == 3 and info.can_pause and info.can_reload
+    assert info.tied_lm_head is False and info.warnings == ()
+
+
+def test_info_without_dev_mode_warns():
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            FakeVLLM(router, URL, dev_mode=False, root="/nonexistent/tiny")
+            async with httpx.AsyncClient() as http:
+                return await VLLMClient(http, URL).info()
+
+    info = run(go())
+    assert info.context_length == 4096 and not info.can_pause and not info.can_reload
+    assert info.weight_version is None and info.tied_lm_head is None
+    assert len(info.warnings) == 1 and "VLLM_SERVER_DEV_MODE=1" in info.warnings[0]
+    assert "/pause" in info.warnings[0] and "/collective_rpc" in info.warnings[0]
+
+
+def test_info_tied_head_from_the_engine_or_the_local_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": true, "model_type": "qwen3"}')
+
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            FakeVLLM(router, URL, tied=True)
+            # vLLM 0.32's /server_info has no hf_config: the model dir's config.json decides
+            FakeVLLM(router, "http://vllm-b:8000", tied=None, root=str(tmp_path))
+            async with httpx.AsyncClient() as http:
+                return await VLLMClient(http, URL).info(), await VLLMClient(http, "http://vllm-b:8000").info()
+
+    a, b = run(go())
+    assert a.tied_lm_head is True and b.tied_lm_head is True
+    assert any("tie_word_embeddings" in w for w in a.warnings)
