@@ -15,6 +15,13 @@ Two implementations behind one result type:
 
 Either returns ``BridgeResult(ids=None, reason=...)`` when it cannot prove the splice; the
 caller then renders the turn in full and records a fork with that reason.
+
+Both honour per-request chat-template kwargs: the hand-coded renderer when the kwargs are ones
+its config mirrors (Qwen3's ``enable_thinking``), otherwise the turn goes through the template
+bridge with the kwargs; with neither available the bridge refuses
+(``template_kwargs_unsupported``). Text in new messages that spells a control token stays text
+(see ``tokenization.template``): such turns go through the template bridge, whose encoding
+keeps it text; a hand-coded renderer would tokenize it as the control token.
 """
 
 from __future__ import annotations
@@ -22,9 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import json
+from collections import OrderedDict
+from typing import Callable
+
 from renderers.base import should_rerender_for_thinking_retention
 
-from .conversation import Message, Tool, to_renderer_messages, to_renderer_tools
+from .conversation import Message, Tool, to_renderer_messages, to_renderer_tools, to_template_tools
+from .template import ControlTokens
 
 MARKER = "\u2063splice\u2063marker\u2063"
 
@@ -63,11 +75,29 @@ def _prompt_tail(prompt_ids: list[int], close_ids: set[int], limit: int = 4096) 
 
 
 class RendererBridge:
-    """Bridge through a hand-coded renderer's ``bridge_to_next_turn``."""
+    """Bridge through a hand-coded renderer's ``bridge_to_next_turn``.
 
-    def __init__(self, renderer):
+    ``renderer_for(kwargs)`` gives the renderer configured for a request's template kwargs, or
+    ``None`` when the renderer cannot mirror them; ``fallback`` (a ``GenericBridge`` over the
+    model's chat template) then bridges the turn. ``control`` finds control-token text in new
+    messages, which the hand-coded renderer would encode as control tokens.
+    """
+
+    def __init__(
+        self,
+        renderer,
+        *,
+        renderer_for: Callable[[dict], Any] | None = None,
+        fallback: "GenericBridge | None" = None,
+        control: ControlTokens | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ):
         self.renderer = renderer
         self._close_ids = set(renderer.get_stop_token_ids())
+        self._renderer_for = renderer_for
+        self.fallback = fallback
+        self.control = control
+        self.template_kwargs = dict(template_kwargs or {})
 
     def bridge(
         self,
@@ -76,20 +106,33 @@ class RendererBridge:
         new_messages: list[Message],
         *,
         tools: list[Tool] | None = None,
-        history: list[Message] | None = None,  # unused: the renderer needs no history
+        history: list[Message] | None = None,  # only the template fallback reads it
+        template_kwargs: dict[str, Any] | None = None,
     ) -> BridgeResult:
         reason = precheck(new_messages)
         if reason:
             return refuse(reason)
         msgs = to_renderer_messages(new_messages)
-        retention = getattr(self.renderer, "effective_thinking_retention", "all")
-        is_query = getattr(self.renderer, "_is_user_query_message", None)
-        kwargs = {"is_user_query": is_query} if is_query else {}
-        if should_rerender_for_thinking_retention(retention, msgs, **kwargs):
+        kwargs = self.template_kwargs if template_kwargs is None else dict(template_kwargs)
+        if self._renderer_for is not None:
+            renderer = self._renderer_for(kwargs)
+        else:
+            renderer = self.renderer if kwargs == self.template_kwargs else None
+        retention = getattr(renderer or self.renderer, "effective_thinking_retention", "all")
+        is_query = getattr(renderer or self.renderer, "_is_user_query_message", None)
+        qkw = {"is_user_query": is_query} if is_query else {}
+        if should_rerender_for_thinking_retention(retention, msgs, **qkw):
             return refuse("thinking_stripped")
+        special_text = self.control is not None and self.control.in_any(msgs)
+        if renderer is None or special_text:
+            if self.fallback is None:
+                return refuse("special_token_text" if renderer is not None else "template_kwargs_unsupported")
+            return self.fallback.bridge(
+                prev_prompt_ids, prev_output_ids, new_messages, tools=tools, history=history, template_kwargs=kwargs
+            )
         tail = _prompt_tail(prev_prompt_ids, self._close_ids)
         try:
-            out = self.renderer.bridge_to_next_turn(tail, list(prev_output_ids), msgs, tools=to_renderer_tools(tools))
+            out = renderer.bridge_to_next_turn(tail, list(prev_output_ids), msgs, tools=to_renderer_tools(tools))
         except Exception as exc:  # a renderer bug must not take the request down: fork instead
             return refuse(f"bridge_error:{type(exc).__name__}")
         if out is None:
@@ -102,27 +145,68 @@ class RendererBridge:
         return BridgeResult(ids=list(ids[n:]))
 
 
+class RendererCache:
+    """Hand-coded renderers per template-kwargs set (few distinct sets occur; bounded anyway)."""
+
+    def __init__(self, make: Callable[[dict], Any], allowed: frozenset[str], default_kwargs: dict, default_renderer, size: int = 16):
+        self._make = make
+        self.allowed = allowed
+        self._default_key = self._key(default_kwargs)
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        if set(default_kwargs) <= allowed:
+            self._cache[self._default_key] = default_renderer
+        self._size = size
+
+    @staticmethod
+    def _key(kwargs: dict) -> str:
+        return json.dumps(kwargs, sort_keys=True, default=repr)
+
+    def __call__(self, kwargs: dict):
+        """The renderer for ``kwargs``, or ``None`` when it cannot mirror them."""
+        if not set(kwargs) <= self.allowed:
+            return None
+        key = self._key(kwargs)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        try:
+            renderer = self._make(kwargs)
+        except Exception:  # e.g. a value the renderer's config rejects
+            renderer = None
+        self._cache[key] = renderer
+        if len(self._cache) > self._size:
+            self._cache.popitem(last=False)
+        return renderer
+
+
 class GenericBridge:
     """Bridge for chat templates no hand-coded renderer covers (see module docstring)."""
 
-    def __init__(self, tokenizer, *, template_kwargs: dict[str, Any] | None = None, encoder=None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        template_kwargs: dict[str, Any] | None = None,
+        encoder=None,
+        control: ControlTokens | None = None,
+    ):
         self.tokenizer = tokenizer
-        self._encoder = encoder or tokenizer
+        self.control = control or ControlTokens(tokenizer, encoder)
         self.template_kwargs = dict(template_kwargs or {})
+        self._keep_developer = "developer" in str(getattr(tokenizer, "chat_template", "") or "")
         self._special = set(getattr(tokenizer, "all_special_ids", []) or [])
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._special |= {i for i, t in added.items() if getattr(t, "special", False)}
 
-    def _render_text(self, messages: list[dict], tools, add_generation_prompt: bool) -> str:
-        kwargs = dict(self.template_kwargs)
+    def _render_text(self, messages: list[dict], tools, add_generation_prompt: bool, kwargs: dict) -> str:
+        kwargs = dict(kwargs)
+        kwargs.pop("add_generation_prompt", None)
+        kwargs.pop("tools", None)
         if tools:
             kwargs["tools"] = tools
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
-
-    def _encode(self, text: str) -> list[int]:
-        return self._encoder.encode(text, add_special_tokens=False) if text else []
 
     @staticmethod
     def _context(history: list[Message]) -> list[Message]:
@@ -155,18 +239,26 @@ class GenericBridge:
         *,
         tools: list[Tool] | None = None,
         history: list[Message] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> BridgeResult:
         reason = precheck(new_messages)
         if reason:
             return refuse(reason)
         if not history or history[-1].role != "assistant":
             return refuse("no_assistant_turn")
-        ctx = to_renderer_messages(self._context(history))
-        new = to_renderer_messages(new_messages)
-        rtools = [{"type": "function", "function": t} for t in (to_renderer_tools(tools) or [])] or None
+        kwargs = self.template_kwargs if template_kwargs is None else dict(template_kwargs)
+        ctx = to_renderer_messages(self._context(history), keep_developer=self._keep_developer)
+        new = to_renderer_messages(new_messages, keep_developer=self._keep_developer)
+        rtools = to_template_tools(tools)
+        c = self.control
+        literals: list[str] = []
+        marker = ""
+        if c.in_any((ctx, new, rtools, kwargs)):  # control-token text: render with placeholders
+            marker = c.pick_marker(ctx, new, rtools, kwargs, MARKER)
+            ctx, new, rtools, kwargs = c.neutralize((ctx, new, rtools, kwargs), literals, marker)
         try:
-            before = self._render_text(ctx, rtools, add_generation_prompt=False)
-            after = self._render_text(ctx + new, rtools, add_generation_prompt=True)
+            before = self._render_text(ctx, rtools, False, kwargs)
+            after = self._render_text(ctx + new, rtools, True, kwargs)
         except Exception as exc:
             return refuse(f"template_error:{type(exc).__name__}")
         # Only what follows the marker is used: the previous turn's own rendering may differ
@@ -178,10 +270,13 @@ class GenericBridge:
         if not after_tail.startswith(close_text):
             return refuse("render_not_prefix")
         delta_text = after_tail[len(close_text) :]
-        close_ids = self._encode(close_text)
-        delta_ids = self._encode(delta_text)
+        def encode(text: str) -> list[int]:
+            return c.encode_rendered(text, literals, marker) if literals else c.encode(text)
+
+        close_ids = encode(close_text)
+        delta_ids = encode(delta_text)
         # The split between close and delta must be a token boundary of the joint encoding.
-        if close_ids + delta_ids != self._encode(close_text + delta_text):
+        if close_ids + delta_ids != encode(close_text + delta_text):
             return refuse("unstable_token_boundary")
         # The model usually samples the close's first (special) token; keep the sampled one.
         if close_ids and prev_output_ids and prev_output_ids[-1] == close_ids[0] and close_ids[0] in self._special:

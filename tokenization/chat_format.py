@@ -1,8 +1,18 @@
 """``ChatFormat``: everything the proxy needs from a model's chat format, in one object.
 
-Full render (first turn, or a fork), the splice bridge, output parsing and stop ids, for a
-hand-coded `renderers` renderer or, when none covers the model, the tokenizer's own chat
-template through `renderers`' ``DefaultRenderer`` plus Splice's generic bridge.
+Full render (first turn, or a fork), the splice bridge, output parsing and stop ids.
+
+* A full render is the model's own chat template (``tokenizer.apply_chat_template``) applied to
+  the request, token for token, tools in OpenAI's nested shape; text that spells a control
+  token stays text (``tokenization.template``). Only a tokenizer without a chat template is
+  rendered by the hand-coded renderer instead.
+* The bridge is the hand-coded `renderers` renderer's ``bridge_to_next_turn`` when one covers
+  the model (cheap, token level), else Splice's generic bridge over the chat template.
+* Parsing and stop ids come from the hand-coded renderer, or `renderers`' ``DefaultRenderer``.
+
+``template_kwargs`` given at construction apply to every request; a request's own
+``chat_template_kwargs`` (the ``template_kwargs`` argument of ``render`` and ``bridge``) are
+merged over them.
 """
 
 from __future__ import annotations
@@ -12,12 +22,13 @@ from typing import Any
 from renderers import create_renderer
 from renderers.configs import DefaultRendererConfig
 
-from .bridge import BridgeResult, GenericBridge, RendererBridge
-from .conversation import Message, Tool, to_renderer_messages, to_renderer_tools
+from .bridge import BridgeResult, GenericBridge, RendererBridge, RendererCache
+from .conversation import Message, Tool, to_renderer_messages, to_renderer_tools, to_template_tools
 from .fast_tokenizer import FastTokenizer
 from .incremental import IncrementalDecoder, generation_starts_in_reasoning, reasoning_token_count, token_bytes
 from .loader import make_renderer
 from .parse import ParsedOutput, parse_output
+from .template import ControlTokens, TemplateRenderer
 
 
 def _generic_renderer(tokenizer, template_kwargs: dict[str, Any] | None):
@@ -44,14 +55,38 @@ class ChatFormat:
         self.thinking_retention = thinking_retention
         self.template_kwargs = dict(template_kwargs or {})
         fast = FastTokenizer(tokenizer)
+        self.control = ControlTokens(tokenizer, fast)
+        self.template = TemplateRenderer(tokenizer, self.control)
+        template_bridge = (
+            GenericBridge(tokenizer, template_kwargs=self.template_kwargs, encoder=fast, control=self.control)
+            if self.template.available
+            else None
+        )
         if renderer_name is not None:
-            self.renderer = make_renderer(
-                fast, renderer_name, thinking_retention=thinking_retention, template_kwargs=template_kwargs
+            from renderers.configs import config_from_name
+
+            allowed = frozenset(type(config_from_name(renderer_name)).template_field_names())
+
+            def make(kwargs: dict):
+                return make_renderer(fast, renderer_name, thinking_retention=thinking_retention, template_kwargs=kwargs)
+
+            # The renderer mirrors only its config's template fields; other kwargs reach the
+            # template (renders, and bridges through the template bridge).
+            self.renderer = make({k: v for k, v in self.template_kwargs.items() if k in allowed})
+            self._renderers = RendererCache(make, allowed, self.template_kwargs, self.renderer)
+            self._bridge = RendererBridge(
+                self.renderer,
+                renderer_for=self._renderers,
+                fallback=template_bridge,
+                control=self.control,
+                template_kwargs=self.template_kwargs,
             )
-            self._bridge = RendererBridge(self.renderer)
         else:
             self.renderer = _generic_renderer(tokenizer, template_kwargs)
-            self._bridge = GenericBridge(tokenizer, template_kwargs=template_kwargs, encoder=fast)
+            self._renderers = None
+            self._bridge = template_bridge or GenericBridge(
+                tokenizer, template_kwargs=self.template_kwargs, encoder=fast, control=self.control
+            )
         self._stop_ids = frozenset(self.renderer.get_stop_token_ids())
         self._starts_in_reasoning: bool | None = None
         self.render_calls = 0  # full renders done; lets tests prove the bridge does not re-render
@@ -89,16 +124,44 @@ class ChatFormat:
         """A fresh incremental decoder for one streamed output (same boundaries as ``parse``)."""
         return IncrementalDecoder(self.tokenizer, start_in_reasoning=self.starts_in_reasoning, stop_ids=self._stop_ids)
 
-    def render(self, messages: list[Message], tools: list[Tool] | None = None, *, add_generation_prompt: bool = True) -> list[int]:
-        """Full render of a conversation to prompt ids."""
+    def merged_template_kwargs(self, template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A request's chat-template kwargs over the construction-time ones."""
+        return {**self.template_kwargs, **(template_kwargs or {})}
+
+    def render(
+        self,
+        messages: list[Message],
+        tools: list[Tool] | None = None,
+        *,
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Full render of a conversation to prompt ids: the model's chat template, token for token.
+
+        Equals ``tokenizer.apply_chat_template(messages, tools=<nested tools>,
+        add_generation_prompt=..., **kwargs)`` except that text spelling a control token is
+        encoded as text. ``developer`` messages are ``system`` messages to a template that has
+        no developer role.
+        """
         self.render_calls += 1
+        kwargs = self.merged_template_kwargs(template_kwargs)
+        if self.template.available:
+            msgs = to_renderer_messages(messages, keep_developer=self.template.keeps_developer_role)
+            return self.template.render_ids(
+                msgs, to_template_tools(tools), add_generation_prompt=add_generation_prompt, template_kwargs=kwargs
+            )
+        renderer = self._renderers(kwargs) if self._renderers is not None else None
+        if renderer is None:
+            raise ValueError(f"this tokenizer has no chat template and its renderer cannot apply {sorted(kwargs)}")
         return list(
-            self.renderer.render_ids(
-                to_renderer_messages(messages), tools=self.renderer_tools(tools), add_generation_prompt=add_generation_prompt
+            renderer.render_ids(
+                to_renderer_messages(messages), tools=to_renderer_tools(tools), add_generation_prompt=add_generation_prompt
             )
         )
 
     def renderer_tools(self, tools: list[Tool] | None):
+        """Tools in the shape ``self.renderer`` takes (flat for a hand-coded renderer). For a full
+        render use ``render``: it is the chat template's, with the nested shape."""
         specs = to_renderer_tools(tools)
         if specs and self.is_generic:
             # apply_chat_template templates expect OpenAI's nested shape.
@@ -113,9 +176,22 @@ class ChatFormat:
         *,
         tools: list[Tool] | None = None,
         history: list[Message] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> BridgeResult:
-        """Ids to append after ``prev_prompt_ids + prev_output_ids``, or a refusal with a reason."""
-        return self._bridge.bridge(prev_prompt_ids, prev_output_ids, new_messages, tools=tools, history=history)
+        """Ids to append after ``prev_prompt_ids + prev_output_ids``, or a refusal with a reason.
+
+        ``template_kwargs``: the request's chat-template kwargs (merged over the construction
+        ones). The bridge honours them or refuses; the previous prompt must have been rendered
+        with the same kwargs (a change is a fork: ``template_kwargs_changed``).
+        """
+        return self._bridge.bridge(
+            prev_prompt_ids,
+            prev_output_ids,
+            new_messages,
+            tools=tools,
+            history=history,
+            template_kwargs=self.merged_template_kwargs(template_kwargs),
+        )
 
     def parse(
         self,

@@ -49,9 +49,14 @@ class Tool:
     parameters: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
 
 
-def to_renderer_message(msg: Message) -> dict[str, Any]:
-    """Convert to the `renderers` package's message dict."""
-    role = "system" if msg.role == "developer" else msg.role
+def to_renderer_message(msg: Message, *, keep_developer: bool = False) -> dict[str, Any]:
+    """Convert to the message dict chat templates and the `renderers` package read.
+
+    ``developer`` becomes ``system`` unless ``keep_developer`` (a template that knows the role).
+    Tool-call arguments are passed as JSON values, as vLLM and SGLang pass them to templates
+    (the raw text when it is not valid JSON).
+    """
+    role = "system" if msg.role == "developer" and not keep_developer else msg.role
     out: dict[str, Any] = {"role": role, "content": msg.content}
     if msg.role == "assistant":
         if msg.reasoning:
@@ -73,8 +78,8 @@ def to_renderer_message(msg: Message) -> dict[str, Any]:
     return out
 
 
-def to_renderer_messages(messages: list[Message] | tuple[Message, ...]) -> list[dict[str, Any]]:
-    return [to_renderer_message(m) for m in messages]
+def to_renderer_messages(messages: list[Message] | tuple[Message, ...], *, keep_developer: bool = False) -> list[dict[str, Any]]:
+    return [to_renderer_message(m, keep_developer=keep_developer) for m in messages]
 
 
 def to_renderer_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[str, Any]] | None:
@@ -82,6 +87,17 @@ def to_renderer_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[
         return None
     return [
         {"name": t.name, "description": t.description, "parameters": t.parameters or {"type": "object", "properties": {}}}
+        for t in tools
+    ]
+
+
+def to_template_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[str, Any]] | None:
+    """Tools in OpenAI's nested Chat Completions shape, field for field, as templates expect them:
+    ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+    if not tools:
+        return None
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
         for t in tools
     ]
 

@@ -122,8 +122,12 @@ def test_model_writing_im_end_as_text(qwen3, qwen_tok):
     assert im_end not in literal
     output = enc(qwen_tok, "Type ") + literal + enc(qwen_tok, " to end.") + [im_end]
     prompt, spliced, rerendered = check_drift(qwen3, HIST, output, FOLLOW_UP)
-    # Re-tokenizing the text turns the characters into the real end-of-turn token.
-    assert rerendered[len(prompt) :].count(im_end) > spliced[len(prompt) :].count(im_end)
+    # A plain re-tokenization of the text would turn the characters into the real end-of-turn token.
+    assert enc(qwen_tok, "Type <|im_end|> to end.").count(im_end) == 1
+    # Splice's re-render keeps them text (no forged turn end), but still not the sampled split.
+    assert rerendered[len(prompt) :].count(im_end) == spliced[len(prompt) :].count(im_end)
+    assert spliced != rerendered
+    assert spliced[len(prompt) : len(prompt) + len(output)] == output
 
 
 def test_user_typing_im_end_is_rendered_once_the_same_way(qwen3, qwen_tok):

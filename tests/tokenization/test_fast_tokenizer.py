@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenization import ChatFormat, Message, Tool
+from tokenization import ChatFormat
 from tokenization.fast_tokenizer import FastTokenizer
 
 
@@ -14,14 +14,12 @@ def test_backend_encode_equals_transformers_encode(qwen_tok, text):
 
 
 def test_renderer_on_the_fast_view_renders_the_same_ids(qwen_tok):
+    """The hand-coded renderer (bridges, parsing) gives the same ids on the fast view."""
     from renderers import Qwen3RendererConfig, create_renderer
 
-    msgs = [Message("system", "s"), Message("user", "Caf\u00e9 \U0001f600 <|im_end|>")]
-    tools = [Tool("f", "d", {"type": "object", "properties": {}})]
-    plain = create_renderer(qwen_tok, Qwen3RendererConfig()).render_ids(
-        [{"role": m.role, "content": m.content} for m in msgs],
-        tools=[{"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}],
-        add_generation_prompt=True,
-    )
-    assert ChatFormat(qwen_tok, "qwen3").render(msgs, tools) == plain
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "Caf\u00e9 \U0001f600 <|im_end|>"}]
+    kw = dict(tools=[{"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}], add_generation_prompt=True)
+    plain = create_renderer(qwen_tok, Qwen3RendererConfig()).render_ids(msgs, **kw)
+    assert create_renderer(FastTokenizer(qwen_tok), Qwen3RendererConfig()).render_ids(msgs, **kw) == plain
+    assert isinstance(ChatFormat(qwen_tok, "qwen3").renderer._tokenizer, FastTokenizer)
     assert not callable(getattr(FastTokenizer(qwen_tok), "__call__", None))
