@@ -1,27 +1,31 @@
-"""The FastAPI app: wiring of tokenization, engines, store, front ends and trainer routes."""
+"""The FastAPI app: wiring of tokenization, engines, store, session layer and routes."""
 
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
-
-from .json_response import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
 from tokenization import ChatFormat
 
-from .guard import Guard
+from .api.admin import admin_router
+from .api.chat import chat_router
+from .api.jsonio import JSONResponse
+from .api.responses import responses_router
+from .api.training import training_router
 from .errors import APIError, error_body
+from .guard import Guard
 from .metrics import Metrics
-from .sessions import TurnRunner
+from .session import RecomputeScheduler, TurnRunner
+from .session.drift import DriftChecker
+from .session.sampling import SamplingPolicy
 from .settings import Settings
 from .store import Store
-from .training_api import Trainer, training_router
 
 log = logging.getLogger("splice.app")
 
@@ -30,8 +34,13 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     """Build the proxy app around an engine pool and a chat format (the CLI builds those)."""
     metrics = Metrics()
     store = store or Store(settings.store)
-    runner = TurnRunner(fmt, pool, store, settings, metrics)
-    trainer = Trainer(store, pool, metrics, settings)
+    sampling = SamplingPolicy(
+        mode=settings.sampling, temperature=settings.temperature, max_context=settings.max_context,
+        default_max_tokens=settings.default_max_tokens,
+    )  # fmt: skip
+    drift = DriftChecker(fmt, store, metrics, settings.drift_check)
+    runner = TurnRunner(fmt, pool, store, metrics, sampling=sampling, drift=drift, model_name=settings.model_name)
+    recompute = RecomputeScheduler(store, pool, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -41,6 +50,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
             yield
         finally:
             await runner.drain()
+            await recompute.drain()
             await pool.close()
             store.close()
 
@@ -51,12 +61,10 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     app.state.metrics = metrics
     app.state.settings = settings
 
-    from .chat_api import chat_router
-    from .responses_api import responses_router
-
-    app.include_router(responses_router(runner, store))
+    app.include_router(responses_router(runner, store.responses))
     app.include_router(chat_router(runner))
-    app.include_router(training_router(trainer))
+    app.include_router(training_router(store, recompute, settings))
+    app.include_router(admin_router(store, pool, recompute, metrics))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -66,7 +74,15 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return JSONResponse(error_body(400, f"{where}: {first.get('msg', 'invalid request')}", code="invalid_request", param=where or None), status_code=400)
+        body = error_body(400, f"{where}: {first.get('msg', 'invalid request')}", code="invalid_request", param=where or None)
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # unknown routes and methods, in the same shape as every other error
+        message = "Not found." if exc.status_code == 404 else str(exc.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
@@ -81,10 +97,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
 
     @app.get("/metrics")
     async def prometheus():
-        try:
-            metrics.store_bytes.set(os.path.getsize(settings.store))
-        except OSError:
-            pass
+        metrics.store_bytes.set(store.db.file_bytes())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -95,4 +108,3 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
         }
 
     return app
-

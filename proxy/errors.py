@@ -53,3 +53,9 @@ def bad_request(message: str, *, code: str | None = "invalid_request", param: st
 
 def not_found(message: str, *, code: str = "not_found") -> APIError:
     return APIError(404, message, code=code)
+
+
+def from_engine_error(exc) -> APIError:
+    """An ``engines.types.EngineError`` as the API error agents and admins see (one mapping)."""
+    headers = {"Retry-After": "1"} if exc.status_code in (429, 502, 503, 504) else None
+    return APIError(exc.status_code, f"inference engine error: {exc}", code=exc.code, headers=headers)

@@ -67,7 +67,3 @@ def turn_id_from(any_id: str | None) -> str | None:
     if m is None:
         return None
     return next(g for g in m.groups() if g is not None)
-
-
-def is_splice_id(any_id: str | None) -> bool:
-    return turn_id_from(any_id) is not None

@@ -25,6 +25,9 @@ class Metrics:
         self.turns = Counter("splice_turns", "Finished turns by api", ["api"], registry=r)
         self.spliced = Counter("splice_spliced_turns", "Turns whose prompt was spliced from verbatim ids", registry=r)
         self.forks = Counter("splice_forks", "Turns rendered in full, by reason", ["reason"], registry=r)
+        self.ambiguous_parents = Counter(
+            "splice_ambiguous_parents", "Turns whose history matched several recorded turns (header-less sessions)", registry=r
+        )
         self.drift = Counter(
             "splice_drift_avoided", "Spliced turns a full re-render would have tokenized differently", registry=r
         )

@@ -171,7 +171,7 @@ def bench_store(args) -> dict:
     import random
     import tracemalloc
 
-    from proxy.records import TurnRecord
+    from proxy.store.records import TurnRecord
     from proxy.store import Store
 
     rng = random.Random(0)
@@ -187,14 +187,14 @@ def bench_store(args) -> dict:
     t0 = time.perf_counter()
     for s in range(args.sessions):
         sid = f"s{s}"
-        store.upsert_session(sid, group_id=f"g{s // 8}", group_size=8)
+        store.sessions.upsert(sid, group_id=f"g{s // 8}", group_size=8)
         prompt = toks(args.first_prompt)
         parent = None
         for t in range(args.turns):
             out = toks(args.output_tokens)
             lps = [-rng.random() * 3 for _ in out]
             tid = f"{sid}-t{t}"
-            store.add_turn(
+            store.turns.add(
                 TurnRecord(
                     turn_id=tid,
                     session_id=sid,

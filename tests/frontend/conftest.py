@@ -13,8 +13,8 @@ from typing import Callable
 import pytest
 
 from engines.types import Generation
-from proxy.ids import new_turn_id
-from proxy.turn_types import TurnRequest, TurnResult
+from proxy.session import TurnRequest, TurnResult
+from tokenization import ChatFormat
 from tokenization.loader import load_tokenizer, make_renderer, qwen3_tokenizer_dir
 from tokenization.parse import parse_output
 
@@ -37,17 +37,17 @@ def renderer(tok):
 
 
 class MemoryStore:
-    """The response store interface, in memory."""
+    """Stored responses (``proxy.store.ResponseTable``'s interface), in memory."""
 
     def __init__(self):
         self.responses: dict[str, tuple[bytes, bytes]] = {}
         self.meta: dict[str, tuple[str, str]] = {}
 
-    def put_response(self, response_id, session_id, turn_id, body, conversation):
+    def put(self, response_id, session_id, turn_id, body, conversation):
         self.responses[response_id] = (bytes(body), bytes(conversation))
         self.meta[response_id] = (session_id, turn_id)
 
-    def get_response(self, response_id):
+    def get(self, response_id):
         return self.responses.get(response_id)
 
 
@@ -63,9 +63,11 @@ class ScriptedRunner:
     at a time; logprobs are made up but distinct per position.
     """
 
-    def __init__(self, tok, renderer, *, chunk: int = 3, model_name: str = "splice-test"):
+    def __init__(self, tok, renderer, *, store: MemoryStore | None = None, chunk: int = 3, model_name: str = "splice-test"):
+        self.fmt = ChatFormat(tok, "qwen3")
         self.tokenizer = tok
         self.renderer = renderer
+        self.store = store
         self.model_name = model_name
         self.chunk = chunk
         self.replies: deque[str | Callable[[TurnRequest], str] | BaseException] = deque()
@@ -105,7 +107,8 @@ class ScriptedRunner:
                 for i in range(0, len(ids), self.chunk):
                     if self.fail_after is not None and i >= self.fail_after:
                         raise RuntimeError("engine went away")
-                    await on_tokens(ids[i : i + self.chunk])
+                    part = ids[i : i + self.chunk]
+                    await on_tokens(part, [0.0] * len(part))
                     await asyncio.sleep(self.delay)
             except asyncio.CancelledError:
                 self.cancelled += 1
@@ -122,7 +125,8 @@ class ScriptedRunner:
             cached_tokens=5,
         )
         parsed = parse_output(self.renderer, ids, finish_reason=finish)
-        turn_id = getattr(req, "turn_id", None) or new_turn_id()
+        turn_id = req.turn_id
+        req.session_resolved = req.session_id or "sess-auto"
         result = TurnResult(
             turn_id=turn_id,
             session_id=req.session_id or "sess-auto",
@@ -135,6 +139,11 @@ class ScriptedRunner:
             created_at=time.time(),
             model=req.model or self.model_name,
         )
+        if req.present is not None:  # what the session layer does before its commit
+            presented = req.present(result)
+            result.body, result.encoded = presented.body, presented.encoded
+            if presented.conversation is not None and self.store is not None:
+                self.store.put(result.response_id, result.session_id, turn_id, presented.encoded, presented.conversation)
         self.results.append(result)
         return result
 
@@ -144,9 +153,9 @@ def build_app(runner, store):
     from fastapi import FastAPI
     from fastapi.responses import Response
 
-    from proxy.chat_api import chat_router
+    from proxy.api.chat import chat_router
+    from proxy.api.responses import responses_router
     from proxy.errors import APIError
-    from proxy.responses_api import responses_router
 
     app = FastAPI()
     app.include_router(responses_router(runner, store))
@@ -163,8 +172,8 @@ def build_app(runner, store):
 def server(tok, renderer):
     import uvicorn
 
-    runner = ScriptedRunner(tok, renderer)
     store = MemoryStore()
+    runner = ScriptedRunner(tok, renderer, store=store)
     app = build_app(runner, store)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
-from proxy.chat_api import messages_to_conversation
+from proxy.api.chat import messages_to_conversation
 from proxy.errors import APIError
 from proxy.ids import (
     call_id,
@@ -18,14 +17,9 @@ from proxy.ids import (
     response_id,
     turn_id_from,
 )
-from proxy.responses_api import (
-    build_context,
-    convert_tools,
-    input_to_messages,
-    messages_from_json,
-    messages_to_json,
-)
-from proxy.schemas import parent_hint, session_fields
+from proxy.api.content import convert_tools
+from proxy.api.context import parent_hint, session_fields
+from proxy.api.responses import build_context, input_to_messages, messages_from_json, messages_to_json
 from tokenization.conversation import Message, ToolCall
 
 
@@ -138,8 +132,9 @@ def test_conversation_json_roundtrip():
 def _ctx(body, store, headers=None):
     class R:
         model_name = "default-model"
+        fmt = None
 
-    return asyncio.run(build_context(body, headers or {}, R(), store))
+    return build_context(body, headers or {}, R(), store)
 
 
 def test_previous_response_id_expansion(mem_store):
@@ -149,7 +144,7 @@ def test_previous_response_id_expansion(mem_store):
         Message(role="user", content="q1"),
         Message(role="assistant", content="", reasoning="hm", tool_calls=(ToolCall(call_id(t, 0), "f", "{}"),)),
     ]
-    store.put_response(response_id(t), "s", t, b'{"id": "x", "output": []}', messages_to_json(prev))
+    store.put(response_id(t), "s", t, b'{"id": "x", "output": []}', messages_to_json(prev))
     ctx = _ctx(
         {"model": "m", "previous_response_id": response_id(t), "instructions": "new sys",
          "input": [{"type": "function_call_output", "call_id": call_id(t, 0), "output": "42"}]},
@@ -178,7 +173,7 @@ def test_item_reference_resolves_from_store(mem_store):
     import orjson
 
     body = {"id": response_id(t), "output": [{"type": "function_call", "id": function_call_item_id(t, 0), "call_id": call_id(t, 0), "name": "f", "arguments": "{}"}]}
-    store.put_response(response_id(t), "s", t, orjson.dumps(body), b"[]")
+    store.put(response_id(t), "s", t, orjson.dumps(body), b"[]")
     ctx = _ctx({"input": [{"role": "user", "content": "x"}, {"type": "item_reference", "id": function_call_item_id(t, 0)}]}, store)
     assert ctx.turn.messages[-1].tool_calls[0].id == call_id(t, 0)
     assert ctx.turn.model == "default-model"

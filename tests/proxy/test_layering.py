@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_proxy_imports_without_torch():
-    code = "import sys, proxy.app, proxy.cli, proxy.sessions, engines.pool; sys.exit('torch' in sys.modules)"
+    code = "import sys, proxy.app, proxy.cli, proxy.session, proxy.store, engines.pool; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 

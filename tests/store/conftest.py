@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.records import TurnRecord
+from proxy.store.records import TurnRecord
 from proxy.store import Store
 
 

@@ -18,14 +18,14 @@ WRITER = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, sys.argv[2])
-    from proxy.records import TurnRecord
+    from proxy.store.records import TurnRecord
     from proxy.store import Store
 
     store = Store(sys.argv[1])
     k = 0
     while True:  # until killed
         sid = f"s{k}"
-        store.upsert_session(sid, group_id="g", metadata={"k": k})
+        store.sessions.upsert(sid, group_id="g", metadata={"k": k})
         prompt = [1, 2, 3]
         for i in range(3):
             n = 50
@@ -33,12 +33,12 @@ WRITER = textwrap.dedent(
             lps = [-(j + 1) / 64 for j in range(n)]
             t = TurnRecord(f"{sid}-t{i}", sid, i, None, prompt, out, lps, [k] * n, lps, [k] * n,
                            i > 0, None, "stop", 0.0, {}, False, "chat", f"chatcmpl-{sid}-{i}")
-            store.add_turn(t)
+            store.turns.add(t)
             print("turn", sid, i, flush=True)
             prompt = prompt + out + [4]
-        store.put_response(f"resp_{sid}", sid, f"{sid}-t2", b"body", b"[conversation]" * 10)
+        store.responses.put(f"resp_{sid}", sid, f"{sid}-t2", b"body", b"[conversation]" * 10)
         print("response", sid, flush=True)
-        store.set_reward(sid, k / 2)
+        store.sessions.set_reward(sid, k / 2)
         print("reward", sid, flush=True)
         k += 1
     """
@@ -47,21 +47,18 @@ WRITER = textwrap.dedent(
 
 def test_close_and_reopen_keeps_everything(db_path, make_turn):
     store = Store(db_path)
-    store.upsert_session("s", group_id="g", group_size=2, metadata={"x": [1, 2]})
+    store.sessions.upsert("s", group_id="g", group_size=2, metadata={"x": [1, 2]})
     turns = [make_turn("s", 0, [1, 2], [3, 4]), make_turn("s", 1, [1, 2, 3, 4, 5], [6], version=1)]
-    for t in turns:
-        store.add_turn(t)
-    store.add_item_ids("s-t1", ["msg_1"])
-    store.put_fingerprint("fp", "s-t1")
-    store.put_response("resp_1", "s", "s-t1", b"{}", b"[1]")
-    session = store.set_reward("s", 2.0)
+    store.turns.add(turns[0])
+    store.turns.add(turns[1], fingerprints=[b"fp"])
+    store.responses.put("resp_1", "s", "s-t1", b"{}", b"[1]")
+    session = store.sessions.set_reward("s", 2.0)
     store.close()
     store = Store(db_path)
-    assert store.get_session("s") == session
-    assert store.list_turns("s") == turns
-    assert store.find_turn_by_item_id("msg_1") == turns[1]
-    assert store.find_turn_by_fingerprint("fp") == turns[1]
-    assert store.get_response("resp_1") == (b"{}", b"[1]")
+    assert store.sessions.get("s") == session
+    assert store.turns.list("s") == turns
+    assert [c.turn_id for c in store.turns.candidates(b"fp")] == ["s-t1"]
+    assert store.responses.get("resp_1") == (b"{}", b"[1]")
     store.close()
 
 
@@ -91,17 +88,17 @@ def test_kill_9_loses_nothing_that_returned(db_path):
 
     store = Store(db_path)
     for kind, sid, *rest in done:
-        session = store.get_session(sid)
+        session = store.sessions.get(sid)
         assert session is not None and session.group_id == "g"
         if kind == "turn":
-            turn = store.get_turn(f"{sid}-t{rest[0]}")
+            turn = store.turns.get(f"{sid}-t{rest[0]}")
             assert turn is not None and len(turn.output_ids) == 50
             assert turn.versions == [int(sid[1:])] * 50
         elif kind == "response":
-            assert store.get_response(f"resp_{sid}") == (b"body", b"[conversation]" * 10)
+            assert store.responses.get(f"resp_{sid}") == (b"body", b"[conversation]" * 10)
         else:
             assert session.reward == int(sid[1:]) / 2 and session.closed
     rewarded = {sid for kind, sid, *_ in done if kind == "reward"}
-    lease, samples = store.pull(1000, 60.0)
+    lease, samples = store.pool.pull(1000, 60.0)
     assert {s["session_id"] for s in samples} >= rewarded
     store.close()

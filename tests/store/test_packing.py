@@ -9,9 +9,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.records import TurnRecord
-from proxy.store import (
-    Store,
+from proxy.store.records import TurnRecord
+from proxy.store import Store
+from proxy.store.packing import (
     pack_f32,
     pack_i32,
     pack_proximal,
@@ -77,7 +77,7 @@ def test_turn_round_trip_through_store(arrays, prompt_extra, prompt_tail):
     n = len(lps)
     with tempfile.TemporaryDirectory() as d:
         store = Store(os.path.join(d, "x.db"))
-        store.upsert_session("s")
+        store.sessions.upsert("s")
         t0 = TurnRecord(
             "t0", "s", 0, None, prompt_extra, list(range(7, 7 + n)), lps, versions, prox, prox_versions,
             False, "unknown_parent", "length", 1.0, {"temperature": 0.3}, True, "chat", "chatcmpl-0",
@@ -87,10 +87,10 @@ def test_turn_round_trip_through_store(arrays, prompt_extra, prompt_tail):
             "t1", "s", 1, "t0", prompt1, [1, 2], [-0.25, -0.5], [4, 4], [-0.25, -0.5], [4, 4],
             True, None, "stop", 2.0, {}, False, "responses", "resp_1",
         )  # fmt: skip
-        store.add_turn(t0)
-        store.add_turn(t1)
+        store.turns.add(t0)
+        store.turns.add(t1)
         for s in (store, Store(os.path.join(d, "x.db"))):  # warm cache, then a cold reopen
-            got0, got1 = s.list_turns("s")
+            got0, got1 = s.turns.list("s")
             assert got0 == t0 and got1 == t1
-            assert s.get_turn("t1") == t1
+            assert s.turns.get("t1") == t1
             s.close()

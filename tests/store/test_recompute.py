@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from proxy.recompute import recompute_owed, recompute_owed_report
+from proxy.session.recompute import recompute_owed, recompute_owed_report
 
 
 class FakePool:
@@ -28,38 +28,38 @@ class FakePool:
 
 
 def test_owed_recompute_selection(store, make_turn):
-    store.upsert_session("live")
+    store.sessions.upsert("live")
     a = make_turn("live", 0, [1], [2, 3, 4], version=[1, 2, 2])
     b = make_turn("live", 1, [1, 2, 3, 4, 5], [6], version=2)
     b.proximal_logprobs_t, b.proximal_versions = [-0.5], [3]  # already recomputed (R1)
     c = make_turn("live", 2, [7], [8], version=3)
     for t in (a, b, c):
-        store.add_turn(t)
-    store.upsert_session("acked")
-    store.add_turn(make_turn("acked", 0, [1], [2], version=2))
-    store.set_reward("acked", 1.0)
-    store.ack(store.pull(5, 10.0)[0])
-    store.upsert_session("leased")
-    store.add_turn(make_turn("leased", 0, [1], [2], version=2))
-    store.set_reward("leased", 1.0)
-    store.pull(5, 10.0)  # leased but not acked: still owed
-    assert [t.turn_id for t in store.owed_recompute(3)] == ["live-t0", "leased-t0"]
-    assert store.owed_turn_count(3) == 2
-    assert [t.turn_id for t in store.owed_recompute(2)] == ["live-t0"]
-    assert [t.turn_id for t in store.owed_recompute(4)] == ["live-t2"]
-    assert store.owed_recompute(9) == []
+        store.turns.add(t)
+    store.sessions.upsert("acked")
+    store.turns.add(make_turn("acked", 0, [1], [2], version=2))
+    store.sessions.set_reward("acked", 1.0)
+    store.pool.ack(store.pool.pull(5, 10.0)[0])
+    store.sessions.upsert("leased")
+    store.turns.add(make_turn("leased", 0, [1], [2], version=2))
+    store.sessions.set_reward("leased", 1.0)
+    store.pool.pull(5, 10.0)  # leased but not acked: still owed
+    assert [t.turn_id for t in store.turns.owed(3)] == ["live-t0", "leased-t0"]
+    assert store.turns.owed_count(3) == 2
+    assert [t.turn_id for t in store.turns.owed(2)] == ["live-t0"]
+    assert [t.turn_id for t in store.turns.owed(4)] == ["live-t2"]
+    assert store.turns.owed(9) == []
 
 
 def test_recompute_sets_values_by_absolute_position(store, make_turn):
-    store.upsert_session("s")
+    store.sessions.upsert("s")
     t0 = make_turn("s", 0, [1, 2, 3], [4, 5, 6, 7], version=[1, 2, 2, 3])
     t0.proximal_logprobs_t[2], t0.proximal_versions[2] = -0.75, 3  # already had its value
     t1 = make_turn("s", 1, t0.full_ids + [8, 9], [10, 11], version=2)
-    store.add_turn(t0)
-    store.add_turn(t1)
+    store.turns.add(t0)
+    store.turns.add(t1)
     pool = FakePool(version=3)
     assert asyncio.run(recompute_owed(store, pool, 3)) == 1 + 2
-    got0, got1 = store.list_turns("s")
+    got0, got1 = store.turns.list("s")
     # t0: output token i sits at absolute position 3 + i
     assert got0.proximal_logprobs_t == [t0.output_logprobs[0], pool.value(4), -0.75, t0.output_logprobs[3]]
     assert got0.proximal_versions == [1, 3, 3, 3]
@@ -68,28 +68,28 @@ def test_recompute_sets_values_by_absolute_position(store, make_turn):
     for got, t in ((got0, t0), (got1, t1)):  # behaviour arrays untouched
         assert got.output_logprobs == t.output_logprobs and got.versions == t.versions and got.prompt_ids == t.prompt_ids
     assert sorted(pool.calls) == [(7, 3, "s"), (11, 9, "s")]
-    assert store.owed_recompute(3) == []
+    assert store.turns.owed(3) == []
     assert asyncio.run(recompute_owed(store, pool, 3)) == 0  # nothing owed twice
 
 
 def test_engine_error_leaves_turn_and_continues(store, make_turn, caplog):
     for sid in ("ok", "bad"):
-        store.upsert_session(sid)
-        store.add_turn(make_turn(sid, 0, [1, 2], [3, 4], version=0))
+        store.sessions.upsert(sid)
+        store.turns.add(make_turn(sid, 0, [1, 2], [3, 4], version=0))
     pool = FakePool(version=1, fail_for={"bad"})
-    with caplog.at_level(logging.WARNING, logger="proxy.recompute"):
+    with caplog.at_level(logging.WARNING, logger="proxy.session.recompute"):
         report = asyncio.run(recompute_owed_report(store, pool, 1))
     assert (report.turns, report.tokens, report.failures) == (2, 2, 1)
     assert "engine down" in caplog.text
-    bad = store.get_turn("bad-t0")
+    bad = store.turns.get("bad-t0")
     assert bad.proximal_versions == [0, 0] and bad.proximal_logprobs_t == bad.output_logprobs
-    assert store.get_turn("ok-t0").proximal_versions == [1, 1]
-    assert [t.turn_id for t in store.owed_recompute(1)] == ["bad-t0"]  # retried next time
+    assert store.turns.get("ok-t0").proximal_versions == [1, 1]
+    assert [t.turn_id for t in store.turns.owed(1)] == ["bad-t0"]  # retried next time
 
 
 def test_wrong_length_answer_is_a_failure(store, make_turn):
-    store.upsert_session("s")
-    store.add_turn(make_turn("s", 0, [1], [2, 3], version=0))
+    store.sessions.upsert("s")
+    store.turns.add(make_turn("s", 0, [1], [2, 3], version=0))
 
     class Short(FakePool):
         async def prefill_logprobs(self, *, input_ids, start, session_id):
@@ -97,12 +97,12 @@ def test_wrong_length_answer_is_a_failure(store, make_turn):
 
     report = asyncio.run(recompute_owed_report(store, Short(1), 1))
     assert report.failures == 1 and report.tokens == 0
-    assert store.get_turn("s-t0").proximal_versions == [0, 0]
+    assert store.turns.get("s-t0").proximal_versions == [0, 0]
 
 
 def test_session_id_for_routes_calls(store, make_turn):
-    store.upsert_session("s")
-    store.add_turn(make_turn("s", 0, [1], [2], version=0))
+    store.sessions.upsert("s")
+    store.turns.add(make_turn("s", 0, [1], [2], version=0))
     pool = FakePool(1)
     asyncio.run(recompute_owed(store, pool, 1, session_id_for=lambda t: "route-" + t.session_id))
     assert pool.calls == [(2, 1, "route-s")]

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from proxy import samples as samples_mod
-from proxy.records import SessionRecord
-from proxy.samples import assemble_samples
+from proxy.store import samples as samples_mod
+from proxy.store.records import SessionRecord
+from proxy.store.samples import assemble_samples
 
 
 def session(**kw) -> SessionRecord:
@@ -62,7 +62,7 @@ def check_seed_002(out):
 
 
 def test_seed_002_longest_prefix(make_turn, caplog):
-    with caplog.at_level(logging.WARNING, logger="proxy.samples"):
+    with caplog.at_level(logging.WARNING, logger="proxy.store.samples"):
         out = assemble_samples(session(), seed_002_turns(make_turn))
     check_seed_002(out)
     assert out[0].sample_id == "s:0" and out[1].sample_id == "s:1"
@@ -115,8 +115,8 @@ def test_empty_session():
 
 
 def test_turns_sampled_with_the_agents_settings_mark_the_sample_untrainable():
-    from proxy.records import SessionRecord, TurnRecord
-    from proxy.samples import assemble_samples
+    from proxy.store.records import SessionRecord, TurnRecord
+    from proxy.store.samples import assemble_samples
 
     def turn(i, prompt, out, trainable):
         n = len(out)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from proxy.records import TurnRecord
+from proxy.store.records import TurnRecord
 from proxy.store import Store
 
 
 def write_session(store: Store, sid: str, *, turns: int, out_len: int, bridge: int, recompute: bool, rng) -> int:
     """A spliced agent session; returns generated tokens."""
-    store.upsert_session(sid, group_id="grp", group_size=8)
+    store.sessions.upsert(sid, group_id="grp", group_size=8)
     prompt = rng.integers(0, 151_000, 300).tolist()
     parent = None
     for k in range(turns):
@@ -19,16 +19,15 @@ def write_session(store: Store, sid: str, *, turns: int, out_len: int, bridge: i
         lp = rng.normal(-1.0, 1.0, out_len).astype(np.float32).tolist()
         v = [k // 4] * out_len
         tid = f"turn_{sid}_{k:04d}"
-        store.add_turn(
+        store.turns.add(
             TurnRecord(
                 tid, sid, k, parent, prompt, out, lp, v, lp, v, k > 0, None, "stop", 0.0,
                 {"temperature": 1.0, "top_p": 1.0, "mode": "trainable"}, False, "responses", f"resp_{tid}",
-            )
+            ),
+            fingerprints=[f"{tid:>64}".encode()[:12]],
         )  # fmt: skip
         if recompute:
-            store.update_proximal(tid, (np.asarray(lp) - 0.01).tolist(), [x + 1 for x in v])
-        store.add_item_ids(tid, [f"msg_{tid}"])
-        store.put_fingerprint(f"{tid:>64}", tid)
+            store.turns.update_proximal(tid, (np.asarray(lp) - 0.01).tolist(), [x + 1 for x in v])
         prompt = prompt + out + rng.integers(0, 151_000, bridge).tolist()
         parent = tid
     return turns * out_len
@@ -55,9 +54,10 @@ def test_bytes_per_generated_token(tmp_path, turns, out_len, bridge, recompute, 
     assert stats["tokens"] == generated
     assert per_token <= limit
     # a spliced prompt is not stored again: only each turn's new tokens are
-    (tail_bytes,) = store._conn.execute("SELECT SUM(LENGTH(prompt_tail)) FROM turns WHERE session_id = 's0'").fetchone()
+    with store.db.read() as c:
+        (tail_bytes,) = c.execute("SELECT SUM(LENGTH(prompt_tail)) FROM turns WHERE session_id = 's0'").fetchone()
     assert tail_bytes == 4 * (300 + (turns - 1) * bridge)
     # round trip still exact after all the delta encoding
-    (sample,) = store.list_turns("s0")[-1:]
+    (sample,) = store.turns.list("s0")[-1:]
     assert len(sample.prompt_ids) == 300 + (turns - 1) * (out_len + bridge)
     store.close()

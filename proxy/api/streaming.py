@@ -1,4 +1,5 @@
-"""Server-sent events plumbing shared by both front ends.
+"""The streaming skeleton every dialect shares: a turn running in the background, SSE framing,
+and the mapping of failures to API errors.
 
 ``TurnStream`` runs one turn in a background task and hands its output ids to the front end
 as the engine produces them. It does not start the HTTP response until the first ids arrive
@@ -12,21 +13,18 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator
 
-import orjson
 from fastapi.responses import StreamingResponse
 
 from engines.types import EngineError
-from proxy.errors import APIError
-from proxy.turn_types import TurnRequest, TurnResult
+
+from ..errors import APIError, from_engine_error
+from ..session.turn import TurnRequest, TurnResult
+from .jsonio import dumps
 
 log = logging.getLogger("splice.frontend")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 DONE = b"data: [DONE]\n\n"
-
-
-def dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
 
 
 def sse_event(event: str, data: dict[str, Any]) -> bytes:
@@ -39,8 +37,8 @@ def sse_data(data: dict[str, Any]) -> bytes:
     return b"data: " + dumps(data) + b"\n\n"
 
 
-def streaming_response(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers=dict(SSE_HEADERS))
+def streaming_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -48,8 +46,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineError):
-        headers = {"Retry-After": "1"} if exc.status_code in (429, 503) else None
-        return APIError(exc.status_code, f"inference engine error: {exc}", code=exc.code, headers=headers)
+        return from_engine_error(exc)
     log.exception("turn failed", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
@@ -71,12 +68,13 @@ class TurnStream:
     """A turn running in the background; iterate it for batches of new output ids."""
 
     def __init__(self, runner, req: TurnRequest):
+        self.req = req
         self._queue: asyncio.Queue = asyncio.Queue()
         self._first: list[int] | object | None = None
         self.task: asyncio.Task = asyncio.create_task(runner.run(req, on_tokens=self._on_tokens))
         self.task.add_done_callback(lambda _t: self._queue.put_nowait(_END))
 
-    async def _on_tokens(self, ids: list[int]) -> None:
+    async def _on_tokens(self, ids: list[int], _logprobs: list[float]) -> None:
         if ids:
             self._queue.put_nowait(list(ids))
 
@@ -111,6 +109,13 @@ class TurnStream:
         if exc is not None:
             raise to_api_error(exc) from exc
         return self.task.result()
+
+    def headers(self) -> dict[str, str]:
+        """Where the turn landed; known once it started (the session layer planned it)."""
+        out = {"X-Splice-Turn-Id": self.req.turn_id}
+        if self.req.session_resolved:
+            out["X-Splice-Session-Id"] = self.req.session_resolved
+        return out
 
     def cancel(self) -> None:
         if not self.task.done():

@@ -15,17 +15,7 @@ from typing import Literal
 
 import orjson
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS leases (
-    lease_id    TEXT PRIMARY KEY,
-    created_at  REAL NOT NULL,
-    expires_at  REAL NOT NULL,
-    state       TEXT NOT NULL,          -- active | acked | expired
-    n_samples   INTEGER NOT NULL,
-    session_ids BLOB NOT NULL           -- orjson list, kept for auditing after the lease ends
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS leases_active ON leases(expires_at) WHERE state = 'active';
-"""
+
 
 AckOutcome = Literal["acked", "already_acked", "expired", "unknown"]
 
@@ -84,6 +74,23 @@ def ready_units(conn: sqlite3.Connection) -> list[Unit]:
             units.append(unit)
     units.sort(key=lambda u: (u.ready_at, u.session_ids[0]))
     return units
+
+
+def still_free(conn: sqlite3.Connection, session_ids: list[str]) -> set[str]:
+    """The sessions among ``session_ids`` that are still rewarded, unleased and unacked."""
+    free: set[str] = set()
+    for i in range(0, len(session_ids), 500):
+        chunk = session_ids[i : i + 500]
+        marks = ",".join("?" * len(chunk))
+        free.update(
+            r[0]
+            for r in conn.execute(
+                f"SELECT session_id FROM sessions WHERE session_id IN ({marks}) "
+                "AND reward IS NOT NULL AND acked = 0 AND lease_id IS NULL",
+                chunk,
+            )
+        )
+    return free
 
 
 def create_lease(

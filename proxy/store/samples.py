@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from proxy.records import SessionRecord, TurnRecord
+from .records import SessionRecord, TurnRecord
 
 log = logging.getLogger(__name__)
 

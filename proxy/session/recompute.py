@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from proxy.records import TurnRecord
-from proxy.store import NotFound, Store
+from ..metrics import Metrics
+from ..store import NotFound, Store, TurnRecord
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ async def recompute_owed_report(
     concurrency: int = 2,
 ) -> RecomputeReport:
     """Recompute every owed turn (see module docstring); commits turn by turn."""
-    owed = store.owed_recompute(version)
+    owed = store.turns.owed(version)
     report = RecomputeReport(turns=len(owed))
     gate = asyncio.Semaphore(max(1, concurrency))
 
@@ -76,12 +76,12 @@ async def recompute_owed_report(
                     session_id=session_id_for(turn),
                 )
             # Re-read: another recompute may have filled some tokens while we awaited the engine.
-            fresh = store.get_turn(turn.turn_id)
+            fresh = store.turns.get(turn.turn_id)
             if fresh is None:
                 raise NotFound(f"turn {turn.turn_id} disappeared")
             prox, prox_versions, changed = apply_prefill(fresh, list(values), version)
             if changed:
-                store.update_proximal(turn.turn_id, prox, prox_versions)
+                store.turns.update_proximal(turn.turn_id, prox, prox_versions)
             report.tokens += changed
         except asyncio.CancelledError:
             raise
@@ -106,3 +106,41 @@ async def recompute_owed(
     """R2 for ``version``; returns the number of tokens that got a proximal value."""
     report = await recompute_owed_report(store, pool, version, session_id_for=session_id_for, concurrency=concurrency)
     return report.tokens
+
+
+class RecomputeScheduler:
+    """Runs R2 for the pool's current version: eagerly after a weight update or resume (in the
+    background), before a pause and before a pull (awaited), one run at a time."""
+
+    def __init__(self, store: Store, pool, metrics: Metrics):
+        self.store = store
+        self.pool = pool
+        self.metrics = metrics
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> int:
+        """Recompute what is owed now; returns the number of tokens that got a value."""
+        if self.pool.paused:
+            return 0
+        async with self._lock:
+            n = await recompute_owed(self.store, self.pool, self.pool.version)
+        if n:
+            self.metrics.recomputed.inc(n)
+        return n
+
+    def soon(self) -> None:
+        """Start a run in the background (failures are logged; the values stay owed)."""
+        task = asyncio.get_running_loop().create_task(self._safe_run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _safe_run(self) -> None:
+        try:
+            await self.run()
+        except Exception:
+            log.exception("recompute after weight update failed; values stay owed")
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -14,30 +14,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import Response as HTTPResponse
 
-from proxy.errors import bad_request
-from proxy.ids import call_id, chat_completion_id
-from proxy.responses_api import (
-    _text_of,
-    check_tool_choice,
-    convert_tools,
-    count_reasoning_tokens,
-    name_tool_messages,
-    starts_in_reasoning,
-    stop_ids_of,
-    token_logprobs,
-)
-from proxy.schemas import ChatCompletionRequest, parse_json_body, turn_request, validate
-from proxy.sse import DONE, TurnStream, dumps, run_turn, sse_data, streaming_response, to_api_error
-from proxy.turn_types import TurnRequest, TurnResult
+from tokenization import ChatFormat
 from tokenization.conversation import Message, ToolCall
-from tokenization.incremental import CONTENT, REASONING, IncrementalDecoder, StopTextFilter, StrippedText
+from tokenization.incremental import CONTENT, REASONING, StopTextFilter, StrippedText
+
+from ..errors import bad_request
+from ..ids import call_id, chat_completion_id
+from ..session import Presentation, TurnRequest, TurnResult, TurnRunner
+from .content import check_tool_choice, convert_tools, name_tool_messages, text_of
+from .context import turn_request
+from .jsonio import JSONResponse, dumps, parse_json_body, validate
+from .models import ChatCompletionRequest
+from .output import splice_headers, splice_info, token_logprobs, usage_of
+from .streaming import DONE, TurnStream, run_turn, sse_data, streaming_response, to_api_error
 
 log = logging.getLogger("splice.chat")
 
@@ -87,7 +82,7 @@ def messages_to_conversation(messages: list[dict[str, Any]]) -> tuple[list[Messa
         if role in ("system", "developer", "user"):
             if "content" not in m or m.get("content") is None:
                 raise bad_request(f"{where} ({role}) needs 'content'", code="missing_required_parameter", param=f"{where}.content")
-            out.append(Message(role=role, content=_text_of(m.get("content"), f"{where}.content", allow_refusal=False)))
+            out.append(Message(role=role, content=text_of(m.get("content"), f"{where}.content", allow_refusal=False)))
         elif role == "assistant":
             calls = _tool_calls_of(m.get("tool_calls"), f"{where}.tool_calls")
             if m.get("function_call") is not None:
@@ -97,7 +92,7 @@ def messages_to_conversation(messages: list[dict[str, Any]]) -> tuple[list[Messa
                 reasoning = m.get("reasoning")
             if reasoning is not None and not isinstance(reasoning, str):
                 raise bad_request(f"{where}.reasoning_content must be a string", code="invalid_value", param=f"{where}.reasoning_content")
-            content = _text_of(m.get("content"), f"{where}.content")
+            content = text_of(m.get("content"), f"{where}.content")
             ids.extend(tc.id for tc in calls)
             out.append(Message(role="assistant", content=content, reasoning=reasoning or None, tool_calls=calls))
         elif role == "tool":
@@ -106,7 +101,7 @@ def messages_to_conversation(messages: list[dict[str, Any]]) -> tuple[list[Messa
                 raise bad_request(f"{where} (tool) needs a 'tool_call_id'", code="missing_required_parameter", param=f"{where}.tool_call_id")
             name = m.get("name") if isinstance(m.get("name"), str) else None
             ids.append(tcid)
-            out.append(Message(role="tool", content=_text_of(m.get("content"), f"{where}.content"), tool_call_id=tcid, name=name))
+            out.append(Message(role="tool", content=text_of(m.get("content"), f"{where}.content"), tool_call_id=tcid, name=name))
         elif role == "function":
             raise bad_request(f"{where}: the deprecated 'function' role is not supported; use 'tool'", code="unsupported_value", param=f"{where}.role")
         else:
@@ -121,20 +116,35 @@ def messages_to_conversation(messages: list[dict[str, Any]]) -> tuple[list[Messa
 class ChatContext:
     req: ChatCompletionRequest
     turn: TurnRequest
-    turn_id: str
-    created: int
-    model: str
+    fmt: ChatFormat
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def turn_id(self) -> str:
+        return self.turn.turn_id
+
+    @property
+    def model(self) -> str:
+        return self.turn.model
+
+    def present(self, result: TurnResult) -> Presentation:
+        body = completion_body(self, result)
+        return Presentation(body=body, encoded=dumps(body))
 
 
-def build_chat_context(body: dict[str, Any], headers, runner) -> ChatContext:
+def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner) -> ChatContext:
     req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
     req.check_supported()
     tools, _ = convert_tools(req.tools)
     check_tool_choice(req.tool_choice, tools)
     messages, ids = messages_to_conversation(req.messages)
-    treq = turn_request("chat", req, headers, runner, messages=messages, tools=tools, hints=ids, stop=req.stop_list)
-    tid, model = treq.turn_id, treq.model
-    return ChatContext(req=req, turn=treq, turn_id=tid, created=int(time.time()), model=model)
+    treq = turn_request(
+        "chat", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=ids, stop=req.stop_list,
+        max_output_tokens=req.max_output_tokens,
+    )
+    ctx = ChatContext(req=req, turn=treq, fmt=runner.fmt)
+    treq.present = ctx.present
+    return ctx
 
 
 # ============================================================================ output
@@ -148,27 +158,14 @@ def finish_reason_of(result: TurnResult) -> str:
     return "stop"
 
 
-def chat_usage(result: TurnResult, reasoning_tokens: int) -> dict[str, Any]:
-    gen = result.generation
-    n_in = len(result.prompt_ids) or gen.prompt_tokens
-    n_out = len(gen.output_ids)
+def chat_usage(fmt: ChatFormat, result: TurnResult) -> dict[str, Any]:
+    u = usage_of(fmt, result)
     return {
-        "prompt_tokens": n_in,
-        "completion_tokens": n_out,
-        "total_tokens": n_in + n_out,
-        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
-    }
-
-
-def splice_info(result: TurnResult) -> dict[str, Any]:
-    return {
-        "session_id": result.session_id,
-        "turn_id": result.turn_id,
-        "spliced": result.spliced,
-        "fork_reason": result.fork_reason,
-        "finish_reason": result.finish_reason,
-        "malformed_tool_calls": len(result.parsed.malformed_calls),
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.output_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
     }
 
 
@@ -179,22 +176,13 @@ def tool_call_dicts(turn_id: str, result: TurnResult) -> list[dict[str, Any]]:
     ]
 
 
-def _logprobs_block(runner, ctx: ChatContext, result: TurnResult) -> dict[str, Any] | None:
-    if not ctx.req.logprobs or getattr(runner, "tokenizer", None) is None:
+def _logprobs_block(ctx: ChatContext, result: TurnResult) -> dict[str, Any] | None:
+    if not ctx.req.logprobs:
         return None
-    return {"content": token_logprobs(runner.tokenizer, result), "refusal": None}
+    return {"content": token_logprobs(ctx.fmt, result), "refusal": None}
 
 
-def _reasoning_tokens(runner, result: TurnResult) -> int:
-    return count_reasoning_tokens(
-        getattr(runner, "tokenizer", None),
-        result.generation.output_ids,
-        start_in_reasoning=starts_in_reasoning(runner),
-        stop_ids=stop_ids_of(runner) if getattr(runner, "tokenizer", None) is not None else None,
-    )
-
-
-def completion_body(ctx: ChatContext, runner, result: TurnResult) -> dict[str, Any]:
+def completion_body(ctx: ChatContext, result: TurnResult) -> dict[str, Any]:
     tid = result.turn_id
     p = result.parsed
     calls = tool_call_dicts(tid, result)
@@ -216,11 +204,11 @@ def completion_body(ctx: ChatContext, runner, result: TurnResult) -> dict[str, A
             {
                 "index": 0,
                 "message": message,
-                "logprobs": _logprobs_block(runner, ctx, result),
+                "logprobs": _logprobs_block(ctx, result),
                 "finish_reason": finish_reason_of(result),
             }
         ],
-        "usage": chat_usage(result, _reasoning_tokens(runner, result)),
+        "usage": chat_usage(ctx.fmt, result),
         "service_tier": "default",
         "system_fingerprint": None,
         "splice": splice_info(result),
@@ -269,11 +257,10 @@ class ChunkWriter:
         return self.chunk({"content": d}) if d else None
 
 
-async def stream_chat(ctx: ChatContext, runner, stream: TurnStream) -> AsyncIterator[bytes]:
+async def stream_chat(ctx: ChatContext, stream: TurnStream) -> AsyncIterator[bytes]:
     opts = ctx.req.stream_options
     w = ChunkWriter(ctx, bool(opts and opts.include_usage))
-    tok = runner.tokenizer
-    dec = IncrementalDecoder(tok, start_in_reasoning=starts_in_reasoning(runner), stop_ids=stop_ids_of(runner))
+    dec = ctx.fmt.decoder()
     try:
         yield w.role()
         async for batch in stream.batches():
@@ -284,8 +271,6 @@ async def stream_chat(ctx: ChatContext, runner, stream: TurnStream) -> AsyncIter
         if (f := w.flush_stop()) is not None:
             frames.append(f)
         result = stream.result()
-        if result.turn_id != ctx.turn_id:
-            log.warning("session layer assigned turn id %s instead of the requested %s", result.turn_id, ctx.turn_id)
         p = result.parsed
         for stream_text, final, key in ((w.reasoning, p.reasoning or "", "reasoning_content"), (w.content, p.content, "content")):
             rest = stream_text.remainder(final)
@@ -297,9 +282,9 @@ async def stream_chat(ctx: ChatContext, runner, stream: TurnStream) -> AsyncIter
             cid = call_id(ctx.turn_id, k)
             frames.append(w.chunk({"tool_calls": [{"index": k, "id": cid, "type": "function", "function": {"name": c.name, "arguments": ""}}]}))
             frames.append(w.chunk({"tool_calls": [{"index": k, "function": {"arguments": c.arguments}}]}))
-        frames.append(w.chunk({}, finish_reason=finish_reason_of(result), logprobs=_logprobs_block(runner, ctx, result), splice=splice_info(result)))
+        frames.append(w.chunk({}, finish_reason=finish_reason_of(result), logprobs=result.body["choices"][0]["logprobs"], splice=splice_info(result)))
         if w.include_usage:
-            usage = dict(w.base, choices=[], usage=chat_usage(result, _reasoning_tokens(runner, result)))
+            usage = dict(w.base, choices=[], usage=result.body["usage"])
             frames.append(sse_data(usage))
         frames.append(DONE)
         yield b"".join(frames)
@@ -317,20 +302,18 @@ async def stream_chat(ctx: ChatContext, runner, stream: TurnStream) -> AsyncIter
 # ============================================================================ router
 
 
-def chat_router(runner) -> APIRouter:
-    """``POST /v1/chat/completions`` over ``runner``."""
+def chat_router(runner: TurnRunner) -> APIRouter:
+    """``POST /v1/chat/completions``."""
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
     async def post_chat(request: Request):
-        body = parse_json_body(await request.body())
-        ctx = build_chat_context(body, request.headers, runner)
+        ctx = build_chat_context(parse_json_body(await request.body()), request.headers, runner)
         if not ctx.req.stream:
             result = await run_turn(runner, ctx.turn)
-            return HTTPResponse(content=dumps(completion_body(ctx, runner, result)), media_type="application/json")
+            return JSONResponse(result.encoded, headers=splice_headers(result))
         stream = TurnStream(runner, ctx.turn)
         await stream.start()
-        return streaming_response(stream_chat(ctx, runner, stream))
+        return streaming_response(stream_chat(ctx, stream), headers=stream.headers())
 
     return router
-

@@ -1,0 +1,83 @@
+"""Admin routes: the weight-update protocol (pause, update weights or version, resume) and status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter, Request
+
+from engines.types import EngineError
+
+from ..errors import from_engine_error
+from ..metrics import Metrics
+from ..session import RecomputeScheduler
+from ..store import Store
+from .jsonio import JSONResponse, read_model
+from .models import UpdateWeightsBody, VersionBody
+
+log = logging.getLogger("splice.admin")
+
+
+async def _engine(coro):
+    try:
+        return await coro
+    except EngineError as exc:
+        raise from_engine_error(exc) from exc
+
+
+def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Metrics) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/admin/pause")
+    async def pause():
+        owed = 0
+        try:
+            owed = await recompute.run()
+        except EngineError as exc:
+            log.warning("recompute before pause failed: %s", exc)
+        await _engine(pool.pause())
+        return JSONResponse({"paused": True, "version": pool.version, "recomputed_tokens": owed})
+
+    @r.post("/admin/update_weights")
+    async def update_weights(request: Request):
+        body = await read_model(request, UpdateWeightsBody)
+        # model_path is a path on the engine's filesystem: passed through, the engine decides.
+        await _engine(pool.update_weights(body.model_path, body.version))
+        metrics.version.set(pool.version)
+        if not pool.paused:
+            recompute.soon()
+        return JSONResponse({"success": True, "version": pool.version})
+
+    @r.post("/admin/version")
+    async def set_version(request: Request):
+        body = await read_model(request, VersionBody)
+        pool.set_version(body.version)
+        metrics.version.set(body.version)
+        if not pool.paused:
+            recompute.soon()
+        return JSONResponse({"version": pool.version})
+
+    @r.post("/admin/resume")
+    async def resume():
+        await _engine(pool.resume())
+        recompute.soon()
+        return JSONResponse({"paused": False, "version": pool.version})
+
+    @r.get("/admin/status")
+    async def status():
+        stats = await asyncio.to_thread(store.stats)
+        owed = await asyncio.to_thread(store.turns.owed_count, pool.version)
+        pool_status = pool.status()
+        return JSONResponse(
+            {
+                "version": pool.version,
+                "paused": pool.paused,
+                "inflight": pool_status.get("in_flight", 0),
+                "engines": pool_status,
+                "store": stats,
+                "owed_recompute_turns": owed,
+            }
+        )
+
+    return r

@@ -1,0 +1,63 @@
+"""What every dialect reports about a finished turn: token counts, per-token logprobs, and the
+``splice`` block (session, turn, spliced or forked and why)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenization import ChatFormat
+
+from ..session.turn import TurnResult
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    reasoning_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+def usage_of(fmt: ChatFormat, result: TurnResult) -> Usage:
+    gen = result.generation
+    return Usage(
+        prompt_tokens=len(result.prompt_ids) or gen.prompt_tokens,
+        cached_tokens=gen.cached_tokens,
+        output_tokens=len(gen.output_ids),
+        reasoning_tokens=fmt.reasoning_token_count(gen.output_ids),
+    )
+
+
+def token_logprobs(fmt: ChatFormat, result: TurnResult) -> list[dict[str, Any]]:
+    """Per-token logprobs of the whole sampled output (OpenAI's logprob entry shape)."""
+    gen = result.generation
+    ids = list(gen.output_ids)
+    if not ids:
+        return []
+    lps = list(gen.logprobs) + [0.0] * max(0, len(ids) - len(gen.logprobs))
+    return [
+        {"token": b.decode("utf-8", errors="replace"), "logprob": float(lp), "bytes": list(b), "top_logprobs": []}
+        for b, lp in zip(fmt.token_bytes(ids), lps)
+    ]
+
+
+def splice_info(result: TurnResult) -> dict[str, Any]:
+    """The ``splice`` extension block of every response."""
+    return {
+        "session_id": result.session_id,
+        "turn_id": result.turn_id,
+        "spliced": result.spliced,
+        "fork_reason": result.fork_reason,
+        "finish_reason": result.finish_reason,
+        "malformed_tool_calls": len(result.parsed.malformed_calls),
+    }
+
+
+def splice_headers(result: TurnResult) -> dict[str, str]:
+    """``X-Splice-Session-Id`` / ``X-Splice-Turn-Id``: where a header-less client's turn landed."""
+    return {"X-Splice-Session-Id": result.session_id, "X-Splice-Turn-Id": result.turn_id}

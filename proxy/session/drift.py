@@ -1,0 +1,54 @@
+"""Counting the retokenization drift splicing avoided: would a full re-render of a spliced
+turn's conversation have produced different prompt ids? Runs off the hot path, in a thread.
+
+A turn spliced onto a turn that drifted drifts too (the re-render repeats the earlier
+difference), so only sessions that have not drifted yet pay for a full render; ``sampled``
+mode renders turns 0-7 and then powers of two of those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tokenization import ChatFormat
+
+from ..metrics import Metrics
+from ..store import Store
+from ..store.lru import LRU
+from .turn import TurnRequest, TurnResult
+
+log = logging.getLogger("splice.drift")
+
+
+class DriftChecker:
+    def __init__(self, fmt: ChatFormat, store: Store, metrics: Metrics, mode: str):
+        self.fmt = fmt
+        self.store = store
+        self.metrics = metrics
+        self.mode = mode
+        self._drifted = LRU(65536, sized=False)  # turn id -> a full re-render would differ
+
+    def due(self, index: int) -> bool:
+        if self.mode == "all":
+            return True
+        if self.mode == "off":
+            return False
+        return index < 8 or (index & (index - 1)) == 0  # sampled: early turns, then powers of two
+
+    async def check(self, req: TurnRequest, result: TurnResult, parent_turn_id: str | None) -> None:
+        drifted = self._drifted.get(parent_turn_id) if parent_turn_id else None
+        if drifted is None:
+            if not self.due(result.index):
+                return
+            try:
+                full = await asyncio.to_thread(
+                    self.fmt.render, req.messages, req.tools, template_kwargs=req.chat_template_kwargs
+                )
+            except Exception:  # noqa: BLE001 - a template that cannot re-render counts as no drift
+                return
+            drifted = list(full) != result.prompt_ids
+        self._drifted.put(result.turn_id, drifted)
+        if drifted:
+            self.metrics.drift.inc()
+            await asyncio.to_thread(self.store.turns.set_drift, result.turn_id, True)

@@ -1,0 +1,173 @@
+"""Which recorded turn a request continues, and whether its prompt is spliced or rendered.
+
+Pure: everything it needs from storage comes through ``TurnLookup`` (a few point lookups),
+and rendering / bridging is token arithmetic in ``tokenization``. For turn K of a session,
+``prompt[K] = prompt[K-1] + output[K-1] + bridge[K]`` when the request's history is the
+recorded history plus new messages; otherwise the turn is rendered in full and recorded as a
+fork with a reason:
+
+- ``unknown_parent``: the history names no recorded turn;
+- ``history_edited``: it names one (a Splice id, or its own session) but does not replay it;
+- ``tools_changed`` / ``template_kwargs_changed``: the history matches but the tools or the
+  chat-template arguments the turn was rendered with differ;
+- whatever the bridge refused for (``thinking_stripped``, ...).
+
+A header-less request is matched by fingerprints of its history. Several recorded turns can
+match (the sessions of a GRPO group that sampled the same answer): a turn nobody continues yet
+is preferred (each continuation claims a distinct parent), then the most recent; only when
+every match is already continued does the request branch one of them (a real rollback).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from tokenization import ChatFormat, Message
+from tokenization.conversation import HistoryHash, tools_fingerprint
+
+from .turn import TurnRequest
+
+
+class Candidate(Protocol):
+    turn_id: str
+    session_id: str
+    continued: bool  # a later turn already continues it
+
+
+class TurnLookup(Protocol):
+    """What the planner reads from storage."""
+
+    def candidates(self, fingerprint: bytes) -> Sequence[Candidate]:
+        """Recorded turns whose answer a history with this fingerprint ends with, most recent first."""
+
+    def turn_ids(self, turn_id: str) -> tuple[list[int], list[int]] | None:
+        """(prompt ids, output ids) of a recorded turn."""
+
+    def session_of(self, turn_id: str) -> str | None: ...
+
+    def session_exists(self, session_id: str) -> bool: ...
+
+    def claimed(self, turn_id: str) -> bool:
+        """Whether a turn in flight right now already continues ``turn_id``."""
+
+
+@dataclass
+class Plan:
+    """How a turn's prompt was built."""
+
+    session_id: str
+    prompt_ids: list[int]
+    parent_turn_id: str | None
+    spliced: bool
+    fork_reason: str | None
+    new_session: bool = False  # the session id was minted for this turn
+    ambiguous: bool = False  # several recorded turns matched the history
+    history_hash: HistoryHash | None = None  # hash of the request's first ``hashed`` messages
+    hashed: int = 0
+    bridge_s: float = 0.0
+    render_s: float = 0.0
+
+
+def fingerprint_keys(hashed: HistoryHash, req: TurnRequest) -> tuple[str, str, str]:
+    """Fingerprints of a history: exact (tools + template kwargs), without kwargs, messages only."""
+    msgs = hashed.hexdigest()
+    tools = tools_fingerprint(req.tools)
+    kwargs = repr(sorted((req.chat_template_kwargs or {}).items()))
+    return f"x:{tools}:{kwargs}:{msgs}", f"t:{tools}:{msgs}", f"m:{msgs}"
+
+
+def digest(key: str, session_id: str | None = None) -> bytes:
+    """The stored form of a fingerprint key: 12 bytes, optionally scoped to a session."""
+    scoped = f"{session_id}|{key}" if session_id else key
+    return hashlib.blake2b(scoped.encode(), digest_size=12).digest()
+
+
+def answer_fingerprints(hashed: HistoryHash, req: TurnRequest, answer: Message, session_id: str) -> list[bytes]:
+    """What a committed turn is found by: the history it was asked with plus its answer."""
+    full = hashed.copy().extend([answer])
+    keys = fingerprint_keys(full, req)
+    return [*(digest(k) for k in keys), *(digest(k, session_id) for k in keys)]
+
+
+def new_session_id() -> str:
+    return "sess_" + uuid.uuid4().hex[:24]
+
+
+class RenderError(Exception):
+    """The chat template rejected the conversation."""
+
+
+def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat) -> Plan:
+    """Splice onto the recorded turn the request continues, or render in full (see module doc)."""
+    last_asst = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=-1)
+    hh = HistoryHash().extend(req.messages[: last_asst + 1])
+    p = _plan(req, lookup, fmt, last_asst, hh)
+    p.history_hash, p.hashed = hh, last_asst + 1
+    return p
+
+
+def _choose(cands: Sequence[Candidate], lookup: TurnLookup) -> tuple[Candidate | None, bool]:
+    if not cands:
+        return None, False
+    free = next((c for c in cands if not c.continued and not lookup.claimed(c.turn_id)), None)
+    return (free or cands[0]), len(cands) > 1
+
+
+def _find(keys: Sequence[str], session_id: str | None, lookup: TurnLookup) -> tuple[Candidate | None, str | None, bool]:
+    """The matching turn, the fork reason its key implies, and whether the match was ambiguous."""
+    reasons = (None, "template_kwargs_changed", "tools_changed")
+    for key, reason in zip(keys, reasons):
+        found, ambiguous = _choose(lookup.candidates(digest(key, session_id)), lookup)
+        if found is not None:
+            return found, reason, ambiguous
+    return None, None, False
+
+
+def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int, hh: HistoryHash) -> Plan:
+    msgs = req.messages
+    explicit = req.session_id
+
+    def fork(session_id: str | None, parent: str | None, reason: str | None, **kw) -> Plan:
+        t0 = time.perf_counter()
+        ids = _render(fmt, req)
+        return Plan(session_id or new_session_id(), ids, parent, False, reason, new_session=session_id is None,
+                    render_s=time.perf_counter() - t0, **kw)  # fmt: skip
+
+    if last_asst < 0:  # a first turn (or a fresh attempt in an explicit session)
+        return fork(explicit, None, None)
+    found, reason, ambiguous = _find(fingerprint_keys(hh, req), explicit, lookup)
+    if found is None:
+        hinted = lookup.session_of(req.parent_hint) if req.parent_hint else None
+        if hinted is not None:
+            return fork(explicit or hinted, req.parent_hint, "history_edited")
+        if explicit and lookup.session_exists(explicit):
+            return fork(explicit, None, "history_edited")
+        return fork(explicit, None, "unknown_parent")
+    session_id = explicit or found.session_id
+    if reason is not None:
+        return fork(session_id, found.turn_id, reason, ambiguous=ambiguous)
+    ids = lookup.turn_ids(found.turn_id)
+    if ids is None:  # gone between the lookups (cannot happen while turns are never deleted)
+        return fork(session_id, None, "unknown_parent")
+    prev_prompt, prev_output = ids
+    t0 = time.perf_counter()
+    res = fmt.bridge(
+        prev_prompt, prev_output, list(msgs[last_asst + 1 :]), tools=req.tools, history=list(msgs[: last_asst + 1]),
+        template_kwargs=req.chat_template_kwargs,
+    )
+    bridge_s = time.perf_counter() - t0
+    if not res.ok:
+        return fork(session_id, found.turn_id, res.reason, ambiguous=ambiguous, bridge_s=bridge_s)
+    return Plan(session_id, prev_prompt + prev_output + res.ids, found.turn_id, True, None, ambiguous=ambiguous,
+                bridge_s=bridge_s)  # fmt: skip
+
+
+def _render(fmt: ChatFormat, req: TurnRequest) -> list[int]:
+    try:
+        return fmt.render(req.messages, req.tools, template_kwargs=req.chat_template_kwargs)
+    except Exception as exc:  # noqa: BLE001 - any template failure is the conversation's fault
+        raise RenderError(str(exc)) from exc

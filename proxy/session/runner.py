@@ -1,0 +1,238 @@
+"""Runs one agent turn end to end: plan (splice or fork), sample, generate under the session's
+lock, parse, let the front end present it, commit, count."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from engines.types import EngineError, Generation
+from tokenization import ChatFormat, Message
+from tokenization.conversation import ToolCall
+
+from ..errors import APIError, from_engine_error
+from ..ids import call_id, chat_completion_id, message_id, response_id
+from ..metrics import Metrics
+from ..store import Conflict, Store, StoredResponse, TurnRecord
+from .drift import DriftChecker
+from .planner import Plan, RenderError, answer_fingerprints, plan
+from .sampling import SamplingPolicy
+from .turn import TokensCallback, TurnRequest, TurnResult
+
+log = logging.getLogger("splice.session")
+
+_RESPONSE_IDS = {"responses": response_id, "chat": chat_completion_id, "messages": message_id}
+
+
+class StoreLookup:
+    """The planner's view of the store, plus the parents claimed by turns in flight."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.inflight_parents: dict[str, int] = {}
+
+    def candidates(self, fingerprint: bytes):
+        return self.store.turns.candidates(fingerprint)
+
+    def turn_ids(self, turn_id: str):
+        return self.store.turns.ids(turn_id)
+
+    def session_of(self, turn_id: str):
+        return self.store.turns.session_of(turn_id)
+
+    def session_exists(self, session_id: str) -> bool:
+        return self.store.sessions.get(session_id) is not None
+
+    def claimed(self, turn_id: str) -> bool:
+        return turn_id in self.inflight_parents
+
+    def claim(self, turn_id: str | None) -> None:
+        if turn_id is not None:
+            self.inflight_parents[turn_id] = self.inflight_parents.get(turn_id, 0) + 1
+
+    def release(self, turn_id: str | None) -> None:
+        if turn_id is not None:
+            left = self.inflight_parents.pop(turn_id, 1) - 1
+            if left > 0:
+                self.inflight_parents[turn_id] = left
+
+
+def returned_message(result: TurnResult) -> Message:
+    """The assistant message as the client will replay it (call ids derived from the turn)."""
+    p = result.parsed
+    calls = tuple(ToolCall(call_id(result.turn_id, k), c.name, c.arguments) for k, c in enumerate(p.tool_calls))
+    return Message("assistant", p.content, reasoning=p.reasoning, tool_calls=calls)
+
+
+class TurnRunner:
+    """One per proxy process."""
+
+    def __init__(self, fmt: ChatFormat, pool, store: Store, metrics: Metrics, *, sampling: SamplingPolicy,
+                 drift: DriftChecker, model_name: str):  # fmt: skip
+        self.fmt = fmt
+        self.pool = pool
+        self.store = store
+        self.metrics = metrics
+        self.sampling = sampling
+        self.drift = drift
+        self.model_name = model_name
+        self.lookup = StoreLookup(store)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._background: set[asyncio.Task] = set()
+        self._ambiguous_logged: set[str] = set()
+
+    def _lock(self, session_id: str) -> asyncio.Lock:
+        lock = self._locks.get(session_id)
+        if lock is None:
+            if len(self._locks) > 65536:
+                self._locks = {k: v for k, v in self._locks.items() if v.locked()}
+            lock = self._locks[session_id] = asyncio.Lock()
+        return lock
+
+    def _plan(self, req: TurnRequest) -> Plan:
+        try:
+            p = plan(req, self.lookup, self.fmt)
+        except RenderError as exc:
+            raise APIError(400, f"the chat template cannot render this conversation: {exc}", code="invalid_messages") from None
+        m = self.metrics.stage_seconds
+        if p.bridge_s:
+            m.labels("bridge").observe(p.bridge_s)
+        if p.render_s:
+            m.labels("render").observe(p.render_s)
+        if p.ambiguous:
+            self.metrics.ambiguous_parents.inc()
+            if p.session_id not in self._ambiguous_logged and len(self._ambiguous_logged) < 65536:
+                self._ambiguous_logged.add(p.session_id)
+                log.info("session %s: several recorded turns matched the history; chose %s", p.session_id, p.parent_turn_id)
+        return p
+
+    async def run(self, req: TurnRequest, on_tokens: TokensCallback | None = None) -> TurnResult:
+        t_start = time.perf_counter()
+        p = self._plan(req)
+        req.session_resolved = p.session_id
+        session = None if p.new_session else self.store.sessions.get(p.session_id)  # read once per turn
+        if session is not None and session.closed:
+            raise APIError(409, f"session {p.session_id} already has a reward and is closed", code="session_closed")
+        params = self.sampling.params(req, len(p.prompt_ids), tuple(self.fmt.stop_token_ids))
+        if self.sampling.overridden(req):
+            self.metrics.sampling_overrides.inc()
+        self.lookup.claim(p.parent_turn_id)
+        try:
+            async with self._lock(p.session_id):
+                self.metrics.inflight.inc()
+                try:
+                    gen = await self._generate(p, params, on_tokens)
+                finally:
+                    self.metrics.inflight.dec()
+                result = self._result(req, p, gen)
+                t_commit = time.perf_counter()
+                self._commit(req, p, result, session)
+                self.metrics.stage_seconds.labels("commit").observe(time.perf_counter() - t_commit)
+        finally:
+            self.lookup.release(p.parent_turn_id)
+        self._count(req, p, gen, result)
+        self.metrics.proxy_seconds.observe(max(0.0, time.perf_counter() - t_start - gen.engine_time_s))
+        if p.spliced:
+            self._spawn(self.drift.check(req, result, p.parent_turn_id))
+        return result
+
+    async def _generate(self, p: Plan, params, on_tokens: TokensCallback | None) -> Generation:
+        try:
+            return await self.pool.generate(p.prompt_ids, params, session_id=p.session_id, on_tokens=on_tokens)
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
+
+    def _result(self, req: TurnRequest, p: Plan, gen: Generation) -> TurnResult:
+        t0 = time.perf_counter()
+        stop_text = gen.matched_stop if isinstance(gen.matched_stop, str) else None
+        parsed = self.fmt.parse(
+            gen.output_ids, prompt_ids=p.prompt_ids, tools=req.tools, finish_reason=gen.finish_reason, stop_text=stop_text
+        )
+        self.metrics.stage_seconds.labels("parse").observe(time.perf_counter() - t0)
+        return TurnResult(
+            turn_id=req.turn_id,
+            session_id=p.session_id,
+            response_id=_RESPONSE_IDS[req.api](req.turn_id),
+            prompt_ids=p.prompt_ids,
+            generation=gen,
+            parsed=parsed,
+            spliced=p.spliced,
+            fork_reason=p.fork_reason,
+            created_at=time.time(),
+            model=req.model or self.model_name,
+        )
+
+    def _commit(self, req: TurnRequest, p: Plan, result: TurnResult, known) -> None:
+        """One transaction: the session (when new or changed), the turn, its fingerprints and,
+        for the Responses API, its stored response. Inline, not in a thread: a WAL commit
+        without fsync takes well under a millisecond, and a writer thread would pay GIL
+        hand-offs on every SQLite call under load."""
+        gen = result.generation
+        stored = None
+        if req.present is not None:
+            presented = req.present(result)
+            result.body, result.encoded = presented.body, presented.encoded
+            if presented.conversation is not None:
+                stored = StoredResponse(result.response_id, presented.encoded, presented.conversation)
+        unchanged = (
+            known is not None
+            and req.group_id in (None, known.group_id)
+            and req.group_size in (None, known.group_size)
+            and not req.metadata
+        )
+        fields = None if unchanged else {"group_id": req.group_id, "group_size": req.group_size, "metadata": req.metadata or None}
+        turn = TurnRecord(
+            turn_id=result.turn_id,
+            session_id=p.session_id,
+            index=-1,  # the session's next index, assigned in the commit
+            parent_turn_id=p.parent_turn_id,
+            prompt_ids=p.prompt_ids,
+            output_ids=list(gen.output_ids),
+            output_logprobs=list(gen.logprobs),
+            versions=list(gen.versions),
+            proximal_logprobs_t=list(gen.proximal_logprobs_t),
+            proximal_versions=list(gen.proximal_versions),
+            spliced=p.spliced,
+            fork_reason=p.fork_reason,
+            finish_reason=gen.finish_reason,
+            created_at=result.created_at,
+            requested_sampling=self.sampling.record(req),
+            drift=False,
+            api=req.api,
+            response_id=result.response_id,
+        )
+        hashed = p.history_hash.copy().extend(req.messages[p.hashed :])
+        fingerprints = answer_fingerprints(hashed, req, returned_message(result), p.session_id)
+        try:
+            self.store.turns.add(turn, fingerprints=fingerprints, response=stored, session_fields=fields)
+        except Conflict as exc:  # rewarded while this turn was generating, or a different group
+            now = self.store.sessions.get(p.session_id)
+            code = "session_closed" if now is not None and now.closed else "session_conflict"
+            raise APIError(409, str(exc), code=code) from exc
+        result.index = turn.index
+
+    def _count(self, req: TurnRequest, p: Plan, gen: Generation, result: TurnResult) -> None:
+        m = self.metrics
+        m.turns.labels(req.api).inc()
+        m.tokens_in.inc(len(p.prompt_ids))
+        m.tokens_out.inc(len(gen.output_ids))
+        m.engine_seconds.observe(gen.engine_time_s)
+        if p.spliced:
+            m.spliced.inc()
+        elif p.fork_reason:
+            m.forks.labels(p.fork_reason).inc()
+        if gen.aborts:
+            m.aborts.inc(gen.aborts)
+            m.resumes.inc(max(0, gen.segments - 1))
+        if result.parsed.malformed:
+            m.malformed_calls.inc(len(result.parsed.malformed_calls))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)

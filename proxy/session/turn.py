@@ -1,0 +1,74 @@
+"""The seam between the front ends and the session layer.
+
+A front end turns an HTTP request into a ``TurnRequest``; the session layer splices,
+generates, parses and commits, and returns a ``TurnResult``. Before the commit it calls the
+request's ``present`` with the result, so the dialect's final body (and, for the Responses
+API, the stored response) is built — and proven serializable — before anything is stored,
+and is committed in the same transaction as the turn. Streaming front ends pass
+``on_tokens(ids, logprobs)``, awaited with each batch of output as the engine produces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from engines.client import TokensCallback
+from engines.types import Generation
+from tokenization.conversation import Message, Tool
+from tokenization.parse import ParsedOutput
+
+__all__ = ["Presentation", "TokensCallback", "TurnRequest", "TurnResult"]
+
+Api = Literal["responses", "chat", "messages"]
+
+
+@dataclass
+class Presentation:
+    """What a front end answers with for a finished turn."""
+
+    body: dict[str, Any]  # the dialect's final response object
+    encoded: bytes  # ``body`` as JSON: serialized before the commit, so a body that cannot be sent is never stored
+    conversation: bytes | None = None  # stored with the turn when the dialect keeps responses (JSON)
+
+
+@dataclass
+class TurnRequest:
+    api: Api
+    messages: list[Message]  # the full history as the agent sent it (after previous_response_id expansion)
+    turn_id: str  # chosen up front: streamed item ids are final from the first event
+    tools: list[Tool] = field(default_factory=list)
+    model: str = ""
+    session_id: str | None = None  # X-Session-Id / metadata.session_id
+    group_id: str | None = None
+    group_size: int | None = None
+    parent_hint: str | None = None  # a Splice-issued id that names the previous turn (resp_/msg_/rs_/fc_/call_)
+    max_output_tokens: int | None = None
+    temperature: float | None = None  # what the agent asked (recorded; see the sampling mode)
+    top_p: float | None = None
+    stop: list[str] = field(default_factory=list)
+    chat_template_kwargs: dict | None = None
+    metadata: dict = field(default_factory=dict)
+    present: Callable[["TurnResult"], Presentation] | None = None
+    session_resolved: str | None = None  # set by the session layer once the turn is planned
+
+
+@dataclass
+class TurnResult:
+    turn_id: str  # also the id stem for output items
+    session_id: str
+    response_id: str  # resp_... (Responses), chatcmpl-... (Chat), msg_... (Messages)
+    prompt_ids: list[int]
+    generation: Generation
+    parsed: ParsedOutput
+    spliced: bool
+    fork_reason: str | None
+    created_at: float
+    model: str
+    index: int = -1  # the turn's position in its session, known once committed
+    body: dict[str, Any] | None = None  # the front end's presentation, as committed
+    encoded: bytes | None = None  # ``body`` as JSON
+
+    @property
+    def finish_reason(self) -> str:
+        return self.generation.finish_reason

@@ -1,0 +1,104 @@
+"""Sessions: group membership, metadata, the reward that closes them."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import orjson
+
+from .db import Database
+from .errors import Conflict, NotFound
+from .records import SessionRecord
+
+COLUMNS = "session_id, group_id, group_size, reward, closed, created_at, metadata, rewarded_at, lease_id, acked"
+
+
+def session_from_row(row) -> SessionRecord:
+    sid, gid, gsize, reward, closed, created, meta, rewarded_at, lease_id, acked = row
+    return SessionRecord(
+        session_id=sid,
+        group_id=gid,
+        group_size=gsize,
+        reward=reward,
+        closed=bool(closed),
+        created_at=created,
+        metadata=orjson.loads(meta) if meta else {},
+        rewarded_at=rewarded_at,
+        lease_id=lease_id,
+        acked=bool(acked),
+    )
+
+
+def read_session(conn, session_id: str) -> SessionRecord | None:
+    row = conn.execute(f"SELECT {COLUMNS} FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+    return None if row is None else session_from_row(row)
+
+
+class SessionTable:
+    def __init__(self, db: Database, clock: Callable[[], float] = time.time):
+        self.db = db
+        self.clock = clock
+
+    def get(self, session_id: str) -> SessionRecord | None:
+        with self.db.read() as c:
+            return read_session(c, session_id)
+
+    def upsert(
+        self,
+        session_id: str,
+        *,
+        group_id: str | None = None,
+        group_size: int | None = None,
+        metadata: dict | None = None,
+    ) -> SessionRecord:
+        """Create the session or fill in what it lacked (commits); see ``upsert_in``."""
+        with self.db.write() as c:
+            return self.upsert_in(c, session_id, group_id=group_id, group_size=group_size, metadata=metadata)
+
+    def upsert_in(self, c, session_id: str, *, group_id=None, group_size=None, metadata=None) -> SessionRecord:
+        """Inside the caller's write transaction: create or fill in; metadata keys merge (new values win).
+
+        A session's group cannot change once set: a different ``group_id`` / ``group_size`` is a Conflict.
+        """
+        if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+        cur = read_session(c, session_id)
+        if cur is None:
+            c.execute(
+                "INSERT INTO sessions (session_id, group_id, group_size, created_at, metadata) VALUES (?, ?, ?, ?, ?)",
+                (session_id, group_id, group_size, self.clock(), orjson.dumps(metadata or {})),
+            )
+            return read_session(c, session_id)
+        if group_id is not None and cur.group_id not in (None, group_id):
+            raise Conflict(f"session {session_id} belongs to group {cur.group_id!r}, not {group_id!r}")
+        if group_size is not None and cur.group_size not in (None, group_size):
+            raise Conflict(f"session {session_id} has group size {cur.group_size}, not {group_size}")
+        unchanged = group_id in (None, cur.group_id) and group_size in (None, cur.group_size) and not metadata
+        if unchanged:
+            return cur
+        merged = {**cur.metadata, **(metadata or {})}
+        c.execute(
+            "UPDATE sessions SET group_id = COALESCE(group_id, ?), group_size = COALESCE(group_size, ?), "
+            "metadata = ? WHERE session_id = ?",
+            (group_id, group_size, orjson.dumps(merged), session_id),
+        )
+        return read_session(c, session_id)
+
+    def set_reward(self, session_id: str, reward: float) -> SessionRecord:
+        """Record the reward and close the session; its samples become ready for the trainer."""
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward must be a finite number, got {reward!r}")
+        with self.db.write() as c:
+            cur = read_session(c, session_id)
+            if cur is None:
+                raise NotFound(f"no session {session_id!r}")
+            if cur.closed:
+                raise Conflict(f"session {session_id!r} already has a reward ({cur.reward}); rewards are final")
+            c.execute(
+                "UPDATE sessions SET reward = ?, closed = 1, rewarded_at = ? WHERE session_id = ?",
+                (reward, self.clock(), session_id),
+            )
+            return read_session(c, session_id)
