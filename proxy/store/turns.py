@@ -5,7 +5,7 @@ A turn's prompt is stored as "the first N tokens of an earlier turn of the same 
 prompt + output) + the new tail", so a session of K spliced turns costs O(total tokens), not
 O(K * context). Turn rows are written once; recomputed proximal values and the versions still
 owed one live in small side tables, so a recompute never rewrites the large token rows.
-Measured (tests/store/test_size.py, whole database incl. indexes): 8.2 bytes per generated
+Measured (tests/proxy/store/test_size.py, whole database incl. indexes): 8.2 bytes per generated
 token for one 10k-token turn, 9.2 for 20 spliced turns of 500 tokens.
 """
 

@@ -1,0 +1,169 @@
+"""The pure planner against an in-memory lookup and the real Qwen3 chat format: every fork
+reason, the splice itself, and the choice among several matching turns (header-less GRPO
+sessions whose answers coincide)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from proxy.session.planner import answer_fingerprints, plan
+from proxy.session.turn import TurnRequest
+from tokenization import ChatFormat, Message, Tool, load_tokenizer, qwen3_tokenizer_dir
+
+
+@dataclass
+class Cand:
+    turn_id: str
+    session_id: str
+    continued: bool = False
+
+
+@dataclass
+class MemoryLookup:
+    """Recorded turns in dicts; ``record`` stores what the runner's commit would."""
+
+    fps: dict[bytes, list[Cand]] = field(default_factory=dict)
+    ids: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    sessions: dict[str, str] = field(default_factory=dict)  # turn -> session
+    claims: set[str] = field(default_factory=set)
+
+    def candidates(self, fingerprint):
+        return list(reversed(self.fps.get(fingerprint, [])))  # most recent first
+
+    def turn_ids(self, turn_id):
+        return self.ids.get(turn_id)
+
+    def session_of(self, turn_id):
+        return self.sessions.get(turn_id)
+
+    def session_exists(self, session_id):
+        return session_id in self.sessions.values()
+
+    def claimed(self, turn_id):
+        return turn_id in self.claims
+
+    def record(self, req: TurnRequest, p, turn_id: str, answer: Message, output_ids: list[int]) -> None:
+        for c in (c for cands in self.fps.values() for c in cands if c.turn_id == p.parent_turn_id):
+            c.continued = True
+        hashed = p.history_hash.copy().extend(req.messages[p.hashed :])
+        for fp in answer_fingerprints(hashed, req, answer, p.session_id):
+            self.fps.setdefault(fp, []).append(Cand(turn_id, p.session_id))
+        self.ids[turn_id] = (p.prompt_ids, output_ids)
+        self.sessions[turn_id] = p.session_id
+
+
+@pytest.fixture(scope="module")
+def fmt():
+    return ChatFormat(load_tokenizer(str(qwen3_tokenizer_dir())), "qwen3")
+
+
+TOOL = Tool(name="add", description="Add two integers.", parameters={"type": "object", "properties": {"a": {"type": "integer"}}})
+USER = Message("user", "What is 1+2?")
+ANSWER = Message("assistant", "The answer is 3.")
+
+
+def _req(messages, *, session=None, tools=(), kwargs=None, hint=None) -> TurnRequest:
+    return TurnRequest(api="chat", messages=list(messages), turn_id="t", tools=list(tools), session_id=session,
+                       chat_template_kwargs=kwargs, parent_hint=hint)  # fmt: skip
+
+
+def _first_turn(fmt, lookup, *, session=None, tools=(), kwargs=None, turn_id="t0"):
+    req = _req([USER], session=session, tools=tools, kwargs=kwargs)
+    p = plan(req, lookup, fmt)
+    out = fmt.tokenizer.encode("The answer is 3.<|im_end|>", add_special_tokens=False)
+    lookup.record(req, p, turn_id, ANSWER, out)
+    return p, out
+
+
+def test_first_turn_is_a_full_render_without_a_reason(fmt):
+    p = plan(_req([USER]), MemoryLookup(), fmt)
+    assert not p.spliced and p.fork_reason is None and p.parent_turn_id is None and p.new_session
+    assert p.prompt_ids == fmt.render([USER])
+
+
+def test_continuation_is_spliced_from_the_recorded_ids(fmt):
+    lookup = MemoryLookup()
+    p0, out0 = _first_turn(fmt, lookup)
+    p1 = plan(_req([USER, ANSWER, Message("user", "Sure?")]), lookup, fmt)
+    assert p1.spliced and p1.fork_reason is None and p1.parent_turn_id == "t0"
+    assert p1.session_id == p0.session_id
+    assert p1.prompt_ids[: len(p0.prompt_ids) + len(out0)] == p0.prompt_ids + out0
+
+
+def test_unknown_parent(fmt):
+    lookup = MemoryLookup()
+    _first_turn(fmt, lookup)
+    p = plan(_req([USER, Message("assistant", "Something else."), Message("user", "?")]), lookup, fmt)
+    assert (p.spliced, p.fork_reason, p.parent_turn_id) == (False, "unknown_parent", None)
+
+
+def test_history_edited_by_hint_and_by_session(fmt):
+    lookup = MemoryLookup()
+    p0, _ = _first_turn(fmt, lookup, session="s1")
+    edited = [USER, Message("assistant", "The answer is 4."), Message("user", "?")]
+    by_hint = plan(_req(edited, hint="t0"), lookup, fmt)
+    assert (by_hint.fork_reason, by_hint.parent_turn_id, by_hint.session_id) == ("history_edited", "t0", "s1")
+    by_session = plan(_req(edited, session="s1"), lookup, fmt)
+    assert (by_session.fork_reason, by_session.session_id, by_session.spliced) == ("history_edited", "s1", False)
+
+
+def test_tools_changed(fmt):
+    lookup = MemoryLookup()
+    _first_turn(fmt, lookup, tools=[TOOL])
+    p = plan(_req([USER, ANSWER, Message("user", "?")], tools=[]), lookup, fmt)
+    assert (p.spliced, p.fork_reason, p.parent_turn_id) == (False, "tools_changed", "t0")
+
+
+def test_template_kwargs_changed(fmt):
+    lookup = MemoryLookup()
+    _first_turn(fmt, lookup, kwargs={"enable_thinking": True})
+    p = plan(_req([USER, ANSWER, Message("user", "?")], kwargs={"enable_thinking": False}), lookup, fmt)
+    assert (p.spliced, p.fork_reason, p.parent_turn_id) == (False, "template_kwargs_changed", "t0")
+
+
+def test_thinking_stripped():
+    """With ``tool_cycle`` retention the template drops earlier reasoning once a new user query
+    arrives, so the recorded ids (which keep it) cannot be spliced: the turn forks."""
+    fmt = ChatFormat(load_tokenizer(str(qwen3_tokenizer_dir())), "qwen3", thinking_retention="tool_cycle")
+    lookup = MemoryLookup()
+    req0 = _req([USER])
+    p0 = plan(req0, lookup, fmt)
+    answer = Message("assistant", "3.", reasoning="add them")
+    out = fmt.tokenizer.encode("<think>\nadd them\n</think>\n\n3.<|im_end|>", add_special_tokens=False)
+    lookup.record(req0, p0, "t0", answer, out)
+    p = plan(_req([USER, answer, Message("user", "And 2+2?")]), lookup, fmt)
+    assert not p.spliced and p.fork_reason == "thinking_stripped" and p.parent_turn_id == "t0"
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_identical_histories_claim_distinct_parents(fmt, n):
+    """N header-less sessions whose first answers coincide: each continuation takes a parent
+    nobody continues yet, so every second turn lands in a different session."""
+    lookup = MemoryLookup()
+    firsts = [_first_turn(fmt, lookup, turn_id=f"t{k}")[0].session_id for k in range(n)]
+    assert len(set(firsts)) == n
+    follow = [USER, ANSWER, Message("user", "Are you sure?")]
+    chosen = []
+    for k in range(n):
+        req = _req(follow)
+        p = plan(req, lookup, fmt)
+        assert p.spliced and p.ambiguous == (n > 1)
+        lookup.claims.add(p.parent_turn_id)  # in flight until committed
+        chosen.append(p.session_id)
+    assert sorted(chosen) == sorted(firsts)
+
+
+def test_all_continued_matches_branch_the_most_recent(fmt):
+    """A rollback: every matching turn already has a continuation, so the request branches."""
+    lookup = MemoryLookup()
+    _first_turn(fmt, lookup, turn_id="a")
+    _first_turn(fmt, lookup, turn_id="b")
+    follow = [USER, ANSWER, Message("user", "Are you sure?")]
+    for _ in range(2):
+        req = _req(follow)
+        p = plan(req, lookup, fmt)
+        lookup.record(req, p, f"c-{p.parent_turn_id}", Message("assistant", "Yes."), [1, 2])
+    again = plan(_req(follow), lookup, fmt)
+    assert again.spliced and again.parent_turn_id == "b" and again.ambiguous
