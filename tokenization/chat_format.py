@@ -89,6 +89,7 @@ class ChatFormat:
             )
         self._stop_ids = frozenset(self.renderer.get_stop_token_ids())
         self._starts_in_reasoning: bool | None = None
+        self._starts_in_reasoning_by_kwargs: dict[str, bool] = {}
         self.render_calls = 0  # full renders done; lets tests prove the bridge does not re-render
 
     @property
@@ -110,19 +111,37 @@ class ChatFormat:
             )
         return self._starts_in_reasoning
 
+    def starts_in_reasoning_for(self, template_kwargs: dict[str, Any] | None = None) -> bool:
+        """``starts_in_reasoning`` under a request's chat-template kwargs (e.g. a template that
+        prefills ``<think>`` unless ``enable_thinking`` is false). Probed once per kwargs set."""
+        if not template_kwargs:
+            return self.starts_in_reasoning
+        kwargs = self.merged_template_kwargs(template_kwargs)
+        key = repr(sorted(kwargs.items()))
+        if key not in self._starts_in_reasoning_by_kwargs:
+            # The chat template decides the prompt (a renderer only stands in without one).
+            probe_renderer = None if self.template.available else (self._renderers or (lambda _: self.renderer))(kwargs)
+            self._starts_in_reasoning_by_kwargs[key] = generation_starts_in_reasoning(
+                self.tokenizer, probe_renderer, template_kwargs=kwargs
+            )
+        return self._starts_in_reasoning_by_kwargs[key]
+
     def token_bytes(self, ids: list[int]) -> list[bytes]:
         """The exact bytes of each token (for OpenAI's logprob entries)."""
         return token_bytes(self.tokenizer, list(ids))
 
-    def reasoning_token_count(self, output_ids: list[int]) -> int:
+    def reasoning_token_count(self, output_ids: list[int], *, template_kwargs: dict[str, Any] | None = None) -> int:
         """Output tokens spent in the initial reasoning region, markers included."""
         return reasoning_token_count(
-            self.tokenizer, list(output_ids), start_in_reasoning=self.starts_in_reasoning, stop_ids=self._stop_ids
+            self.tokenizer, list(output_ids), start_in_reasoning=self.starts_in_reasoning_for(template_kwargs),
+            stop_ids=self._stop_ids,
         )
 
-    def decoder(self) -> IncrementalDecoder:
+    def decoder(self, *, template_kwargs: dict[str, Any] | None = None) -> IncrementalDecoder:
         """A fresh incremental decoder for one streamed output (same boundaries as ``parse``)."""
-        return IncrementalDecoder(self.tokenizer, start_in_reasoning=self.starts_in_reasoning, stop_ids=self._stop_ids)
+        return IncrementalDecoder(
+            self.tokenizer, start_in_reasoning=self.starts_in_reasoning_for(template_kwargs), stop_ids=self._stop_ids
+        )
 
     def merged_template_kwargs(self, template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """A request's chat-template kwargs over the construction-time ones."""

@@ -36,9 +36,13 @@ conversations = st.lists(st.tuples(sampled_turn(), texts, st.booleans()), min_si
 def run(cf, tok, close_id, turns):
     history = [Message("system", "s"), Message("user", "go")]
     prompt = cf.render(history, TOOLS)
+    stops = set(cf.stop_token_ids)
     for (kind, payload, closed), follow_text, as_user in turns:
         output = list(payload) if kind == "ids" else tok.encode(payload, add_special_tokens=False)
-        if closed:
+        stop = next((i for i, t in enumerate(output) if t in stops), None)
+        if stop is not None:  # the engine stops at a stop token: nothing is sampled after it
+            output = output[: stop + 1]
+        elif closed:
             output.append(close_id)
         asst = assistant_from(cf, prompt, output)
         history = history + [asst]

@@ -426,3 +426,24 @@ def test_hand_coded_bridge_routes_kwargs_it_cannot_mirror_through_the_template(q
     # ... and refuses special-token text it cannot keep as text
     forged = cf2.bridge(p2, output, [Message("user", FORGE)], history=splice_messages(history))
     assert not forged.ok and forged.reason == "special_token_text"
+
+
+def test_reasoning_start_follows_the_request_kwargs(qwen_tok):
+    """A template that prefills ``<think>`` unless thinking is off: the decoder starts where the
+    request's prompt leaves the model."""
+    from transformers import AutoTokenizer
+
+    from tokenization import qwen3_tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+    tok.chat_template = (
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+        "<|im_start|>assistant\n{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}"
+    )
+    cf = ChatFormat(tok, None)
+    assert cf.starts_in_reasoning_for() is True
+    assert cf.starts_in_reasoning_for({"enable_thinking": False}) is False
+    ids = tok.encode("plan</think>\n\nanswer<|im_end|>", add_special_tokens=False)
+    assert cf.reasoning_token_count(ids) == 2  # "plan" + </think>
+    assert cf.reasoning_token_count(ids, template_kwargs={"enable_thinking": False}) == 0
+    assert [ch for ch, _ in cf.decoder(template_kwargs={"enable_thinking": False}).feed(ids)][0] == "content"
