@@ -343,4 +343,40 @@ def make_router(state: EngineState) -> APIRouter:
     async def is_paused():
         return json_response({"is_paused": state.paused})
 
+    # vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1) for weight updates, same shapes:
+    # collective_rpc("reload_weights", weights_path=...), update_weight_version, weight_info.
+    @r.post("/collective_rpc")
+    async def collective_rpc(request: Request):
+        try:
+            body = await read_json(request)
+        except BadRequest as e:
+            return json_response({"detail": str(e)}, 400)
+        method = body.get("method")
+        if method is None:
+            return json_response({"detail": "Missing 'method' in request body"}, 400)
+        if method != "reload_weights":
+            return vllm_error(f"Call to collective_rpc method failed: the reference engine has no worker method {method!r}", 500, "InternalServerError")
+        kwargs = body.get("kwargs") or {}
+        path = kwargs.get("weights_path") or state.worker.model_path
+        ok, message = await asyncio.wrap_future(state.worker.update_weights(str(path), None))
+        if not ok:
+            return vllm_error(f"Call to collective_rpc method failed: Worker failed with error '{message}'", 500, "InternalServerError")
+        return json_response({"results": [None]})
+
+    @r.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        try:
+            body = await read_json(request)
+        except BadRequest as e:
+            return json_response({"detail": str(e)}, 400)
+        new_version = body.get("new_version")
+        if not isinstance(new_version, str):
+            return json_response({"detail": [{"type": "missing", "loc": ["body", "new_version"], "msg": "Field required"}]}, 422)
+        state.worker.weight_version = new_version
+        return json_response({"success": True, "new_version": new_version})
+
+    @r.get("/weight_info")
+    async def weight_info():
+        return json_response({"weight_version": state.worker.weight_version})
+
     return r
