@@ -15,7 +15,8 @@ fork with a reason:
 A header-less request is matched by fingerprints of its history. Several recorded turns can
 match (the sessions of a GRPO group that sampled the same answer): a turn nobody continues yet
 is preferred (each continuation claims a distinct parent), then the most recent; only when
-every match is already continued does the request branch one of them (a real rollback).
+every match is already continued does the request branch one of them (a real rollback). A
+Splice-issued id in the history (``resp_``/``msg_``/``call_``...) names its turn outright.
 """
 
 from __future__ import annotations
@@ -110,18 +111,22 @@ def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat) -> Plan:
     return p
 
 
-def _choose(cands: Sequence[Candidate], lookup: TurnLookup) -> tuple[Candidate | None, bool]:
+def _choose(cands: Sequence[Candidate], lookup: TurnLookup, hint: str | None) -> tuple[Candidate | None, bool]:
+    """The turn a Splice id in the request names; else one nobody continues yet; else the most recent."""
     if not cands:
         return None, False
+    named = next((c for c in cands if c.turn_id == hint), None) if hint else None
+    if named is not None:
+        return named, False
     free = next((c for c in cands if not c.continued and not lookup.claimed(c.turn_id)), None)
     return (free or cands[0]), len(cands) > 1
 
 
-def _find(keys: Sequence[str], session_id: str | None, lookup: TurnLookup) -> tuple[Candidate | None, str | None, bool]:
+def _find(keys: Sequence[str], req: TurnRequest, lookup: TurnLookup) -> tuple[Candidate | None, str | None, bool]:
     """The matching turn, the fork reason its key implies, and whether the match was ambiguous."""
     reasons = (None, "template_kwargs_changed", "tools_changed")
     for key, reason in zip(keys, reasons):
-        found, ambiguous = _choose(lookup.candidates(digest(key, session_id)), lookup)
+        found, ambiguous = _choose(lookup.candidates(digest(key, req.session_id)), lookup, req.parent_hint)
         if found is not None:
             return found, reason, ambiguous
     return None, None, False
@@ -139,7 +144,7 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
 
     if last_asst < 0:  # a first turn (or a fresh attempt in an explicit session)
         return fork(explicit, None, None)
-    found, reason, ambiguous = _find(fingerprint_keys(hh, req), explicit, lookup)
+    found, reason, ambiguous = _find(fingerprint_keys(hh, req), req, lookup)
     if found is None:
         hinted = lookup.session_of(req.parent_hint) if req.parent_hint else None
         if hinted is not None:

@@ -167,3 +167,13 @@ def test_all_continued_matches_branch_the_most_recent(fmt):
         lookup.record(req, p, f"c-{p.parent_turn_id}", Message("assistant", "Yes."), [1, 2])
     again = plan(_req(follow), lookup, fmt)
     assert again.spliced and again.parent_turn_id == "b" and again.ambiguous
+
+
+def test_a_splice_id_in_the_history_names_its_turn(fmt):
+    """Identical histories, but the replayed items carry the id of one turn: that one is chosen,
+    even though it is not the most recent and a free turn exists."""
+    lookup = MemoryLookup()
+    _first_turn(fmt, lookup, turn_id="a")
+    _first_turn(fmt, lookup, turn_id="b")
+    p = plan(_req([USER, ANSWER, Message("user", "?")], hint="a"), lookup, fmt)
+    assert p.spliced and p.parent_turn_id == "a" and not p.ambiguous
