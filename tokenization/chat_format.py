@@ -119,6 +119,8 @@ class ChatFormat:
         kwargs = self.merged_template_kwargs(template_kwargs)
         key = repr(sorted(kwargs.items()))
         if key not in self._starts_in_reasoning_by_kwargs:
+            if len(self._starts_in_reasoning_by_kwargs) >= 64:  # clients may vary kwargs freely
+                self._starts_in_reasoning_by_kwargs.clear()
             # The chat template decides the prompt (a renderer only stands in without one).
             probe_renderer = None if self.template.available else (self._renderers or (lambda _: self.renderer))(kwargs)
             self._starts_in_reasoning_by_kwargs[key] = generation_starts_in_reasoning(

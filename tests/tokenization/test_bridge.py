@@ -91,10 +91,10 @@ class CountingTokenizer:
         return self._tok.apply_chat_template(messages, *a, **k)
 
 
-def _bridge_cost(make_format, base_tok, turns):
+def _bridge_cost(make_format, base_tok, turns, result="result {k}", eot=None):
     tok = CountingTokenizer(base_tok)
     cf = make_format(tok)
-    eot = cf.stop_token_ids[0]
+    eot = cf.stop_token_ids[0] if eot is None else eot
     history = [Message("system", "sys"), Message("user", "start")]
     prompt = cf.render(history, TOOLS)
     costs = []
@@ -102,7 +102,7 @@ def _bridge_cost(make_format, base_tok, turns):
         output = base_tok.encode(f"step {k}", add_special_tokens=False) + [eot]
         asst = Message("assistant", f"step {k}")
         history = history + [asst]
-        new = [Message("tool", f"result {k}", tool_call_id=f"c{k}")]
+        new = [Message("tool", result.format(k=k), tool_call_id=f"c{k}")]
         before = (tok.encoded_chars, tok.rendered_messages, cf.render_calls)
         res = cf.bridge(prompt, output, new, tools=TOOLS, history=history)
         assert res.ok, res.reason
@@ -121,3 +121,14 @@ def test_bridge_never_rerenders_the_history(qwen_tok, llama_style_tok):
         assert costs[1][0] > 0  # the counter does see the bridge's encoding
         # work at turn 40 is the same as at turn 2: it does not grow with the conversation
         assert costs[-1][0] <= costs[1][0] + 4 and costs[-1][1] == costs[1][1]
+
+
+def test_bridge_with_control_token_text_does_not_rerender_the_history(qwen_tok):
+    """Tool results that spell control tokens go through the template bridge: still bounded."""
+    from tokenization import ChatFormat
+
+    im_end = qwen_tok.convert_tokens_to_ids("<|im_end|>")
+    costs = _bridge_cost(lambda t: ChatFormat(t, "qwen3"), qwen_tok, 30, result="result {k} <|im_end|>", eot=im_end)
+    assert all(c[2] == 0 for c in costs)
+    assert costs[1][1] > 0  # the template bridge renders a (small) context
+    assert costs[-1][0] <= costs[1][0] + 4 and costs[-1][1] == costs[1][1]
