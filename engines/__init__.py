@@ -2,7 +2,9 @@
 
 - ``engines.pool.EnginePool`` is the only object the proxy needs: routing (consistent hashing
   of the session id over the replicas, failover along the ring), the policy version, the
-  abort-resume loop (R1) and prefill-only logprobs (R2), pause / resume / weight updates.
+  abort-resume loop (R1) and prefill-only logprobs (R2), pause / resume / weight updates, and
+  the engines' own facts (``pool.info``: context length, model, weight version, control
+  endpoints; ``pool.max_new_tokens`` keeps every turn's recompute prefill inside the context).
 - ``engines.sglang`` / ``engines.vllm`` speak each engine's wire format exactly (SPEC section
   9); ``engines.resume`` stitches abort-resume segments; ``engines.routing`` is the hash ring;
   ``engines.http`` maps transport failures to the typed errors of ``engines.types``.
@@ -10,5 +12,5 @@
 Conventions: every per-token list is in output-token coordinates; engine input logprobs are
 indexed by absolute position; ``-inf`` logprobs are ``-9999.0`` whatever the engine; a chunk
 of tokens is stamped with the engine-reported weight version when it is an integer, else with
-the pool's version when the chunk was requested.
+the pool's version when the chunk was requested. See docs/engines.md.
 """

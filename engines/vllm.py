@@ -17,7 +17,8 @@ wire shapes from vLLM 0.32's ``entrypoints/rl/online/api_router.py`` and
 
 Without dev mode those routes do not exist (HTTP 404): ``info()`` says so at start-up, and the
 calls raise ``EngineUnsupported`` naming the missing setting. vLLM 0.32 does not reload an LM
-head tied to the embeddings (``tie_word_embeddings``); ``info().tied_lm_head`` reports it.
+head tied to the embeddings (``tie_word_embeddings``); ``info().tied_lm_head`` reports it. A
+reload that fails inside vLLM's worker kills its EngineCore (see docs/engines.md).
 """
 
 from __future__ import annotations
