@@ -137,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return init_main(rest) or 0
         if cmd == "train":
-            import importlib  # the trainer is a separate package that talks to the proxy over HTTP
+            # Lazy, and the one place the proxy package reaches the trainer (it needs torch; a
+            # sidecar does not): the trainer talks to the proxy only over HTTP.
+            from trainer_bridge.train import main as train_main
 
-            return importlib.import_module("trainer_bridge.train").main(rest) or 0
+            return train_main(rest) or 0
         if cmd == "demo":
             from .demo import main as demo_main
 

@@ -296,7 +296,9 @@ def bench_store(args) -> dict:
 
 # ---------------------------------------------------------------- logprobs
 
-_LOGPROBS_CHILD = r"""
+def _logprobs_child() -> str:
+    """Code of the child process that measures one log-prob computation (it runs the trainer's code)."""
+    return r"""
 import json, resource, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[5]))
@@ -349,7 +351,7 @@ def bench_logprobs(args) -> dict:
                 results.append(r)
                 rows.append([L, mode, f"~{need_gb * 1e9 / 2**20:.0f} (est.)", "-", "skipped: " + r["skipped"]])
                 continue
-            cmd = [sys.executable, "-c", _LOGPROBS_CHILD, mode, str(L), str(args.vocab), str(args.hidden),
+            cmd = [sys.executable, "-c", _logprobs_child(), mode, str(L), str(args.vocab), str(args.hidden),
                    str(args.threads), str(args.chunk_size)]
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
