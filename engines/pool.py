@@ -242,6 +242,8 @@ class EnginePool:
             except EngineError as exc:
                 self._note_error(r, exc)
                 log.warning("could not read the engine facts of %s: %s", r.url, exc)
+            except Exception as exc:  # noqa: BLE001 - facts are advisory; never block start-up
+                log.warning("could not read the engine facts of %s: %r", r.url, exc)
 
         await asyncio.gather(*(ask(r) for r in self._replicas.values()))
         self._info = merge_info([r.info for r in self._replicas.values()], [r.url for r in self._replicas.values()])
