@@ -158,8 +158,8 @@ def finish_reason_of(result: TurnResult) -> str:
     return "stop"
 
 
-def chat_usage(fmt: ChatFormat, result: TurnResult) -> dict[str, Any]:
-    u = usage_of(fmt, result)
+def chat_usage(ctx: ChatContext, result: TurnResult) -> dict[str, Any]:
+    u = usage_of(ctx.fmt, result, ctx.turn.chat_template_kwargs)
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.output_tokens,
@@ -208,7 +208,7 @@ def completion_body(ctx: ChatContext, result: TurnResult) -> dict[str, Any]:
                 "finish_reason": finish_reason_of(result),
             }
         ],
-        "usage": chat_usage(ctx.fmt, result),
+        "usage": chat_usage(ctx, result),
         "service_tier": "default",
         "system_fingerprint": None,
         "splice": splice_info(result),
@@ -260,7 +260,7 @@ class ChunkWriter:
 async def stream_chat(ctx: ChatContext, stream: TurnStream) -> AsyncIterator[bytes]:
     opts = ctx.req.stream_options
     w = ChunkWriter(ctx, bool(opts and opts.include_usage))
-    dec = ctx.fmt.decoder()
+    dec = ctx.fmt.decoder(template_kwargs=ctx.turn.chat_template_kwargs)
     try:
         yield w.role()
         async for batch in stream.batches():

@@ -23,13 +23,14 @@ class Usage:
         return self.prompt_tokens + self.output_tokens
 
 
-def usage_of(fmt: ChatFormat, result: TurnResult) -> Usage:
+def usage_of(fmt: ChatFormat, result: TurnResult, template_kwargs: dict | None = None) -> Usage:
+    """Token counts; ``template_kwargs`` are the request's (they decide whether output starts in reasoning)."""
     gen = result.generation
     return Usage(
         prompt_tokens=len(result.prompt_ids) or gen.prompt_tokens,
         cached_tokens=gen.cached_tokens,
         output_tokens=len(gen.output_ids),
-        reasoning_tokens=fmt.reasoning_token_count(gen.output_ids),
+        reasoning_tokens=fmt.reasoning_token_count(gen.output_ids, template_kwargs=template_kwargs),
     )
 
 

@@ -372,7 +372,7 @@ def finish_response(body: dict[str, Any], ctx: ResponsesContext, result: TurnRes
     body["completed_at"] = int(time.time()) if not length else None
     body["model"] = result.model or ctx.model
     body["output"] = output
-    u = usage_of(ctx.fmt, result)
+    u = usage_of(ctx.fmt, result, ctx.turn.chat_template_kwargs)
     body["usage"] = {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},

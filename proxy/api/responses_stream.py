@@ -166,7 +166,7 @@ class ResponseEventWriter:
 async def stream_response(ctx: ResponsesContext, stream: TurnStream) -> AsyncIterator[bytes]:
     tid = ctx.turn_id
     w = ResponseEventWriter(response_skeleton(ctx, tid), tid)
-    dec = ctx.fmt.decoder()
+    dec = ctx.fmt.decoder(template_kwargs=ctx.turn.chat_template_kwargs)
     try:
         for chunk in w.start():
             yield chunk
