@@ -53,14 +53,14 @@ def _is_loopback(host: str) -> bool:
 def build(settings: Settings):
     """Engine pool, chat format and (for the embedded default) a function that stops the engine process."""
     from engines.pool import EnginePool
-    from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir, renderer_name_for
+    from tokenization import ChatFormat, load_tokenizer, renderer_name_for
 
     engine_proc = None
     urls = list(settings.engine_url)
     tokenizer_path = settings.tokenizer
     renderer = settings.renderer
     if not urls:
-        from engines.reference.model_init import ensure_model, read_config
+        from engines.reference.model_init import ensure_model
 
         from engines.reference.launch import start_engine
 
@@ -72,15 +72,43 @@ def build(settings: Settings):
         urls = [url]
         tokenizer_path = tokenizer_path or model_dir
         renderer = renderer or "qwen3"  # the bundled model is Qwen3 with the real Qwen3 template
-        max_pos = read_config(model_dir).get("max_position_embeddings")
-        if max_pos and "max_context" not in settings.model_fields_set:
-            settings = settings.model_copy(update={"max_context": int(max_pos)})
     kind = "vllm" if settings.engine == "vllm" else "sglang"
-    tok = load_tokenizer(tokenizer_path or str(qwen3_tokenizer_dir()))
+    if not tokenizer_path:
+        tokenizer_path = _engine_model_path(kind, urls, settings)
+    try:
+        tok = load_tokenizer(tokenizer_path)
+    except Exception as exc:  # noqa: BLE001 - any loader failure gets the same advice
+        raise SystemExit(
+            f"cannot load the tokenizer from {tokenizer_path!r} (the engine's model): {exc}. "
+            "Pass --tokenizer PATH_OR_ID with the tokenizer of the model the engine serves."
+        ) from None
     name = renderer_name_for(settings.model_name, renderer) if renderer != "generic" else None
     fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention)
     pool = EnginePool(kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s)
     return settings, fmt, pool, engine_proc
+
+
+def _engine_model_path(kind: str, urls: list[str], settings: Settings) -> str:
+    """Where the engine says its model lives (the default tokenizer); a clear error otherwise."""
+    import asyncio
+
+    from engines.pool import EnginePool
+
+    async def ask() -> str | None:
+        pool = EnginePool(kind, urls, model=settings.engine_model or "", timeout_s=30.0, health_interval_s=0)
+        try:
+            await pool.start()
+            return pool.info.model_path
+        finally:
+            await pool.close()
+
+    try:
+        path = asyncio.run(ask())
+    except Exception as exc:  # noqa: BLE001
+        raise SystemExit(f"cannot ask the engine at {urls[0]} for its model ({exc}); pass --tokenizer PATH_OR_ID") from None
+    if not path:
+        raise SystemExit("the engine did not say which model it serves; pass --tokenizer PATH_OR_ID")
+    return path
 
 
 def serve(args: argparse.Namespace) -> int:

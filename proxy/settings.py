@@ -29,7 +29,7 @@ class Settings(BaseSettings):
     # then powers of two of sessions that have not drifted yet.
     drift_check: Literal["all", "sampled", "off"] = "sampled"
     temperature: float = 1.0  # the server-wide sampling temperature (trainable mode)
-    max_context: int = 32768  # prompt + output tokens the model can take
+    max_context: int | None = None  # prompt + output tokens; default (and upper bound): the engine's own
     default_max_tokens: int = 1024  # output budget when the request does not set one
     lease_timeout_s: float = 600.0
     max_request_bytes: int = 32 * 1024 * 1024

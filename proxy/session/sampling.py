@@ -15,11 +15,19 @@ from .turn import TurnRequest
 
 
 class SamplingPolicy:
-    def __init__(self, *, mode: str, temperature: float, max_context: int, default_max_tokens: int | None):
+    FALLBACK_CONTEXT = 32768  # only when neither the flag nor the engine says
+
+    def __init__(self, *, mode: str, temperature: float, max_context: int | None, default_max_tokens: int | None):
         self.mode = mode
         self.temperature = temperature
-        self.max_context = max_context
+        self.max_context = max_context or self.FALLBACK_CONTEXT
+        self._configured = max_context
         self.default_max_tokens = default_max_tokens
+
+    def learn_context(self, engine_context: int | None) -> None:
+        """The engine's context length bounds the flag; without a flag it is the limit."""
+        if engine_context:
+            self.max_context = min(self._configured, engine_context) if self._configured else engine_context
 
     def overridden(self, req: TurnRequest) -> bool:
         """Whether the agent asked for values this policy replaced (counted in /metrics)."""
