@@ -135,8 +135,23 @@ def serve(args: argparse.Namespace) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(settings.store)), exist_ok=True)
     settings, fmt, pool, engine_proc = build(settings)
     app = create_app(settings, fmt=fmt, pool=pool)
+    base = f"http://{settings.host}:{settings.port}"
+    from engines.http import redact_url
+
+    engines = ", ".join(redact_url(u) for u in (settings.engine_url or ["the bundled reference engine"]))
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # bound and serving: say so once, with what a user needs next
+                print(
+                    f"splice ready: agents {base}/v1 | admin {base}/admin | engine {settings.engine} at {engines} "
+                    f"| version {pool.version} | store {settings.store}",
+                    flush=True,
+                )
+
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+        Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)).run()
     finally:
         if engine_proc is not None:
             engine_proc()

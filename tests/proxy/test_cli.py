@@ -64,3 +64,5 @@ def test_engine_model_path_becomes_the_tokenizer(tmp_path):
         proc.terminate()
         proc.wait(20)
         stop()
+    out = proc.stdout.read()
+    assert out.count("splice ready:") == 1 and f"agents http://127.0.0.1:{port}/v1" in out and f"admin http://127.0.0.1:{port}/admin" in out
