@@ -1,7 +1,7 @@
 """GRPO advantages: each session's reward relative to the other sessions of its group.
 
 The unit is the *session*, not the sample: one session can yield several samples (a fork starts
-a new one, SPEC section 5), and all of them carry the session's reward. Normalizing over samples
+a new one, docs/design.md section 5), and all of them carry the session's reward. Normalizing over samples
 would let a session that forked often pull the group baseline towards itself, so the group
 statistics are taken over distinct sessions and every sample gets its session's advantage.
 

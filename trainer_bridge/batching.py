@@ -2,7 +2,7 @@
 
 Each sample is one row: no attention across samples, ``position_ids`` restart at 0 per row, and
 padding has ``attention_mask`` 0 and ``loss_mask`` 0. Every per-token array of the pull API is
-padded the same way, so index ``[b, i]`` of every tensor describes the same token (SPEC section 2).
+padded the same way, so index ``[b, i]`` of every tensor describes the same token (docs/design.md section 2).
 
 The budget counts padded slots (rows x longest row), the memory the forward pass really uses.
 Rows are sorted longest-first before packing so similar lengths share a micro-batch.

@@ -1,6 +1,6 @@
 """HTTP client for the proxy's trainer side: pull/ack samples and the weight-update protocol.
 
-This is the trainer's only link to the proxy (SPEC sections 1 and 7). One client can drive
+This is the trainer's only link to the proxy (docs/design.md sections 1 and 7). One client can drive
 several proxies: samples are pulled from all of them and the admin calls (pause, update
 weights, version, resume) are broadcast to every one.
 

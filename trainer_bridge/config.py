@@ -53,7 +53,7 @@ class TrainConfig:
     gradient_checkpointing: bool = _opt(False, "recompute decoder activations in backward to save memory")
     seed: int = _opt(0, "seed for minibatch shuffling")
 
-    # loss (SPEC section 6)
+    # loss (docs/design.md section 6)
     eps_clip: float = _opt(0.2, "PPO clip: ratio kept within [1 - eps_clip, 1 + eps_clip_higher]")
     eps_clip_higher: float | None = _opt(None, "upper clip (default: eps_clip)")
     c_clip: float | None = _opt(None, "dual-clip constant for negative advantages, e.g. 3.0 (default: off)")
@@ -72,6 +72,7 @@ class TrainConfig:
 
     stats_path: str | None = _opt(None, "per-step stats JSONL (default: <out>/stats.jsonl)")
     progress: bool = _opt(True, "show a progress bar")
+    log_sessions: bool = _opt(False, "list the session ids each step trained on in its stats record")
 
     def validate(self) -> "TrainConfig":
         if not self.proxies:

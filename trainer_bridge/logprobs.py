@@ -7,7 +7,7 @@ log-normalizer, and recomputes the chunk's logits in backward, turning them in p
 gradient ``g * (onehot - softmax)``. Peak extra memory is a few ``[chunk_size, vocab]`` float32
 tensors, independent of sequence length, in forward and backward alike.
 
-Alignment (SPEC section 2): results are in *token coordinates*. ``out[..., i]`` is
+Alignment (docs/design.md section 2): results are in *token coordinates*. ``out[..., i]`` is
 ``log pi(x_i | x_<i)`` computed from the hidden state at position ``i - 1``; ``out[..., 0]`` is 0
 (nothing predicts the first token). The shift happens here, once, so callers compare these
 values index-for-index with the proxy's per-token arrays and never roll anything themselves.

@@ -1,4 +1,4 @@
-"""Decoupled PPO loss, with the segment-wise behaviour weight (SPEC section 6).
+"""Decoupled PPO loss, with the segment-wise behaviour weight (docs/design.md section 6).
 
 Two policies sit between the sampler and the learner:
 
@@ -13,7 +13,7 @@ one-version step after the weights that sampled the token (``proximal_logprobs_t
 the proxy). That weight has far lower variance than the multi-version ``pi_prox / pi_behav``.
 ``proximal_logprobs_t`` only ever enters ``w``; the PPO ratio never sees it.
 
-All tensors share one shape and are in token coordinates (SPEC section 2).
+All tensors share one shape and are in token coordinates (docs/design.md section 2).
 """
 
 from __future__ import annotations

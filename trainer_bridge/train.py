@@ -87,7 +87,8 @@ def prepare_batch(
 ) -> tuple[list[dict[str, Any]], list[float], dict[str, float]]:
     """Advantages over everything pulled (whole groups), then keep the trainable samples.
 
-    Returns ``(samples, advantages, info)``; ``info`` holds the pull-level step stats.
+    Returns ``(samples, advantages, info)``; ``info`` holds the pull-level step stats. Reward
+    stats are over the distinct sessions pulled (population std), like the advantages.
     """
     valid = [s for s in samples if drop_reason(s, version, None) != "invalid"]
     advantages = group_advantages(valid, normalize_std=config.adv_normalize_std) if valid else []
@@ -111,6 +112,7 @@ def prepare_batch(
     if config.mask_missing_proximal:
         kept = [mask_missing_proximal(s, version) for s in kept]
     rewards = {s["session_id"]: float(s["reward"]) for s in valid}
+    reward_mean = sum(rewards.values()) / len(rewards) if rewards else 0.0
     info = {
         "n_samples_pulled": len(samples),
         "n_samples": len(kept),
@@ -118,7 +120,10 @@ def prepare_batch(
         "n_dropped_empty": dropped["empty"],
         "n_dropped_invalid": dropped["invalid"],
         "n_sessions": len(rewards),
-        "reward_mean": sum(rewards.values()) / len(rewards) if rewards else 0.0,
+        "reward_mean": reward_mean,
+        "reward_std": math.sqrt(sum((r - reward_mean) ** 2 for r in rewards.values()) / len(rewards)) if rewards else 0.0,
+        "reward_min": min(rewards.values()) if rewards else 0.0,
+        "reward_max": max(rewards.values()) if rewards else 0.0,
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
         "staleness_max": max(staleness) if staleness else 0,
         "missing_proximal_frac": missing / len(staleness) if staleness else 0.0,
@@ -239,23 +244,34 @@ def plan_minibatches(
 
 
 @torch.no_grad()
-def proximal_pass(policy: Policy, plans: list[tuple[list[MicroBatch], int]], version: int | None) -> StatsAccumulator:
+def proximal_pass(
+    policy: Policy, plans: list[tuple[list[MicroBatch], int]], version: int | None
+) -> tuple[StatsAccumulator, StatsAccumulator]:
     """Fill ``proximal_logprobs`` with the start-of-step weights, on the micro-batches training uses.
 
-    Also measures the trainer/engine gap on tokens sampled by ``version`` (the weights held now).
+    Also measures the trainer/engine gap under the weights held now (``version``), twice:
+    against the behaviour log-probs of tokens that version sampled, and against the engine's
+    recomputed ``pi_{v+1}`` values (``proximal_logprobs_t``) of tokens sampled by ``version - 1``.
+    Returns ``(behaviour gap, recomputed gap)``.
     """
-    gap = StatsAccumulator()
+    gap, gap_prox = StatsAccumulator(), StatsAccumulator()
     for micro, _ in plans:
         for m in micro:
             m.proximal_logprobs, _ = policy(*_inputs(m))
             if version is None:
                 continue
-            fresh = m.loss_mask.bool() & (m.versions == version)
+            loss = m.loss_mask.bool()
+            fresh = loss & (m.versions == version)
             if fresh.any():
                 diff = (m.proximal_logprobs - m.logprobs)[fresh].double()
                 gap.add({"n_tokens": int(fresh.sum()), "engine_gap_mean": diff.mean().item(),
                          "engine_gap_abs_max": diff.abs().max().item()})
-    return gap
+            recomputed = loss & (m.versions == version - 1) & (m.proximal_versions == version)
+            if recomputed.any():
+                diff = (m.proximal_logprobs - m.proximal_logprobs_t)[recomputed].double()
+                gap_prox.add({"n_tokens": int(recomputed.sum()), "engine_prox_gap_mean": diff.mean().item(),
+                              "engine_prox_gap_abs_max": diff.abs().max().item()})
+    return gap, gap_prox
 
 
 def train_minibatch(learner: Learner, micro: list[MicroBatch], n_loss_tokens: int, config: TrainConfig) -> tuple[StatsAccumulator, float]:
@@ -320,12 +336,15 @@ def learner_step(
     Every rank gets the full ``samples`` list and trains on its shard (see :func:`plan_minibatches`).
     With ``version`` (the version of the weights held at the start of the step), also reports
     ``engine_gap_mean``/``engine_gap_abs_max``: trainer minus engine log-prob on loss tokens that
-    version sampled. Same weights, so it should be ~0; anything else means the trainer and the
-    engines disagree (temperature, numerics, or tokens out of place).
+    version sampled, and ``engine_prox_gap_*``: trainer minus the engine's recomputed log-prob
+    under that version on tokens ``version - 1`` sampled. Same weights, so both should be ~0;
+    anything else means the trainer and the engines disagree (temperature, numerics, or tokens
+    out of place).
     """
     dist = learner.dist
     plans = plan_minibatches(samples, advantages, config, step, dist)
-    gap = merge_ranks(dist, proximal_pass(learner.policy, plans, version))
+    gap_behav, gap_prox = proximal_pass(learner.policy, plans, version)
+    gap, prox = merge_ranks(dist, gap_behav), merge_ranks(dist, gap_prox)
 
     step_stats = StatsAccumulator()
     losses, grad_norms = [], []
@@ -344,7 +363,7 @@ def learner_step(
     out = step_stats.result()
     out.pop("loss_sum", None)
     out.pop("n_tokens", None)
-    gap_stats = gap.result()
+    gap_stats, prox_stats = gap.result(), prox.result()
     out.update(
         loss=sum(losses) / len(losses) if losses else 0.0,
         loss_tokens=step_stats.n,
@@ -354,6 +373,9 @@ def learner_step(
         engine_gap_tokens=gap_stats["n_tokens"],
         engine_gap_mean=gap_stats.get("engine_gap_mean", 0.0),
         engine_gap_abs_max=gap_stats.get("engine_gap_abs_max", 0.0),
+        engine_prox_gap_tokens=prox_stats["n_tokens"],
+        engine_prox_gap_mean=prox_stats.get("engine_prox_gap_mean", 0.0),
+        engine_prox_gap_abs_max=prox_stats.get("engine_prox_gap_abs_max", 0.0),
         lr=float(learner.optimizer.param_groups[0]["lr"]) if getattr(learner.optimizer, "param_groups", None) else 0.0,
     )
     return out
@@ -394,7 +416,7 @@ def format_stats(s: dict[str, Any]) -> str:
         f" max {s.get('behav_imp_weight_max', 0):.2f} | kl {s.get('behav_kl_mean', 0):+.4f}"
         f" | masked {s.get('masked_frac', 0):.3f} | ent {s.get('entropy_mean', 0):.3f}"
         f" | stale {s.get('staleness_mean', 0):.2f}/{s.get('staleness_max', 0)}"
-        f" | reward {s.get('reward_mean', 0):.3f} | samples {s.get('n_samples', 0)}"
+        f" | reward {s.get('reward_mean', 0):.3f}±{s.get('reward_std', 0):.3f} | samples {s.get('n_samples', 0)}"
         f" (-{s.get('n_dropped_stale', 0)} stale) | tokens {s.get('loss_tokens', 0)}"
         f" | {s.get('train_time_s', 0):.1f}s train + {s.get('publish_time_s', 0):.1f}s publish"
     )
@@ -476,6 +498,8 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             distributed.on_main(dist, publish)
             t2 = time.perf_counter()
             record = {"step": step, "version": new_version, "trained_on_version": version, **batch.info, **stats}
+            if config.log_sessions:
+                record["session_ids"] = sorted({str(s["session_id"]) for s in batch.samples})
             record.update(train_time_s=t1 - t0, publish_time_s=t2 - t1, step_time_s=t2 - t0, model_path=str(path))
             if dist.is_main:
                 _log(bar, format_stats(record))

@@ -1,13 +1,16 @@
-"""``splice demo``: the whole loop on one machine.
+"""``splice demo``: GRPO on a task graded from the sampled text, through the proxy, on one machine.
 
-Starts the reference engine (script mode, so agents see well-formed tool calls from a tiny
-random model) and the proxy as separate processes, runs groups of openai-agents sessions with
-a function tool, posts rewards, and runs the GRPO trainer (``splice train``) as a third
-process that publishes new weights while generations are in flight. Prints a summary, writes
-a plot, and exits non-zero when an invariant of the recorded data fails.
+Phases: (1) ``splice init-model`` writes a tiny Qwen3-architecture model (real Qwen3 tokenizer)
+and warm-starts it for a few seconds on the task's *format*; (2) ``splice engine`` serves it
+(the CPU reference engine, sampling for real); (3) ``splice serve`` runs the proxy in front of
+it; (4) ``splice train`` (the GRPO trainer, decoupled PPO loss) pulls token-exact samples and
+publishes new weights every step, while openai-agents sessions keep playing the two-turn task
+(``task.py``), so updates land mid-generation; (5) every recorded session and leftover sample
+is checked against SPEC sections 2-5 (``invariants.py``), and the run folder gets
+``summary.json`` and ``demo_metrics.png``. Exit status 1 when an invariant fails.
 
-The tiny model is random, so the reward is a seeded stand-in for a task score; the point is
-the plumbing: versions, proximal values, aborts, splicing and the trainer, on real parts.
+With ``--engine-url URL --model ID`` phases 1-2 are skipped and the same task, proxy and trainer
+run against a real SGLang or vLLM server (see docs/demo.md).
 """
 
 from __future__ import annotations
@@ -16,184 +19,213 @@ import argparse
 import asyncio
 import json
 import os
-import random
-import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from engines.reference.launch import free_port, wait_healthy
 
+from . import task
+from .driver import Driver
 from .invariants import check_sample, check_session
+from .progress import Progress, bar
+from .report import build_summary, table
+
+SERVED_NAME = "splice-model"
 
 
-def _call(a: int, b: int, note: str) -> str:
-    # Compact JSON, as models often write it: a re-render would re-serialize it with spaces.
-    return (
-        f"<think>\nI should add {a} and {b}. {note}\n</think>\n\n<tool_call>\n"
-        f'{{"name":"add","arguments":{{"a":{a},"b":{b}}}}}\n</tool_call><|im_end|>'
-    )
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splice demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=10, help="training steps (one published version each)")
+    p.add_argument("--groups-per-step", type=int, default=8, help="GRPO groups per training batch")
+    p.add_argument("--group-size", type=int, default=4, help="sessions per group (same prompt)")
+    p.add_argument("--lead", type=int, default=1, help="training steps' worth of sessions launched ahead of the trainer")
+    p.add_argument("--concurrency", type=int, default=16, help="sessions in flight at most")
+    p.add_argument("--lr", type=float, default=1.5e-3, help="trainer learning rate (use ~1e-6 for a real model)")
+    p.add_argument("--minibatches", type=int, default=2, help="PPO optimizer steps per training step")
+    p.add_argument("--max-output-tokens", type=int, default=16, help="per turn (raise it for a real, thinking model)")
+    p.add_argument("--token-delay-ms", type=float, default=10.0, help="reference engine pace per token, so updates land mid-generation")
+    p.add_argument("--warm-start-steps", type=int, default=30, help="format warm start of the tiny model (Adam steps)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the model, the warm start, the prompts, sampling and the trainer")
+    p.add_argument("--out", default=None, help="run directory (default: runs/demo-<time>)")
+    p.add_argument("--engine-url", default=None, help="a running SGLang/vLLM server instead of the CPU reference engine")
+    p.add_argument("--engine", choices=["sglang", "vllm"], default="sglang", help="the --engine-url server's API")
+    p.add_argument("--model", default=None, help="with --engine-url: the served model (local dir or hub id); the trainer starts from it")
+    return p
 
 
-SCRIPT = [
-    _call(1, 2, "Start with the first pair and keep the running total in mind."),
-    _call(3, 4, "Then the second pair, then report."),
-    "<think>\nBoth sums are known now.\n</think>\n\nThe sums are 3 and 7.<|im_end|>",
-]
+def _resolve_model(model: str) -> str:
+    """A local directory for the trainer: ``model`` itself, else a hub snapshot of it."""
+    if Path(model).is_dir():
+        return str(Path(model).absolute())
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model)
 
 
-def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+def _spawn(cmd: list[str], log: Path, env: dict[str, str], procs: list[subprocess.Popen], **kw: Any) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=kw.pop("stdout", None) or open(log, "w"),
+                            stderr=subprocess.STDOUT, **kw)
+    procs.append(proc)
+    return proc
+
+
+def _wait(url: str, proc: subprocess.Popen, what: str, log: Path, timeout_s: float = 180.0) -> None:
     try:
         wait_healthy(url, timeout_s, alive=lambda: proc.poll() is None)
     except (RuntimeError, TimeoutError) as exc:
-        raise SystemExit(f"a demo process did not start: {exc}")
+        tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
+        raise SystemExit(f"the {what} did not start: {exc}\n{tail}")
 
 
-async def _run_session(base: str, session_id: str, group_id: str, group_size: int, rng: random.Random) -> tuple[int, float]:
-    from agents import Agent, OpenAIResponsesModel, Runner, function_tool
-    from openai import AsyncOpenAI
-
-    headers = {"X-Session-Id": session_id, "X-Group-Id": group_id, "X-Group-Size": str(group_size)}
-    client = AsyncOpenAI(base_url=base + "/v1", api_key="demo", default_headers=headers, max_retries=5, timeout=300)
-
-    @function_tool
-    def add(a: int, b: int) -> int:
-        """Add two integers."""
-        return a + b
-
-    agent = Agent(name="adder", instructions="Add the numbers with the add tool.", tools=[add],
-                  model=OpenAIResponsesModel(model="splice-model", openai_client=client))
-    try:
-        result = await Runner.run(agent, "What are 1+2 and 3+4?", max_turns=8)
-        answer = str(result.final_output)
-    except Exception as exc:  # e.g. MaxTurnsExceeded: the episode fails, it still gets a reward
-        answer = f"failed: {type(exc).__name__}"
-    reward = rng.random() + (0.5 if "7" in answer else 0.0)
-    async with httpx.AsyncClient(timeout=60) as h:
-        r = await h.post(f"{base}/v1/sessions/{session_id}/reward", json={"reward": reward})
-        r.raise_for_status()
-    await client.close()
-    return 1, reward
+def _init_model(run: Path, args: argparse.Namespace, env: dict[str, str], prog: Progress, procs: list) -> Path:
+    """``splice init-model`` with the format warm start, relaying its progress."""
+    model_dir = run / "model"
+    data = task.write_warm_start(run / "warm_start.jsonl", 2000, args.seed)
+    cmd = [sys.executable, "-m", "proxy.cli", "init-model", str(model_dir), "--seed", str(args.seed), "--head-dim", "64",
+           "--warm-start", str(data), "--warm-start-steps", str(args.warm_start_steps), "--threads", "1"]
+    log = run / "init_model.log"
+    with open(log, "w") as logf:
+        proc = _spawn(cmd, log, env, procs, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        last = ""
+        for line in proc.stdout:
+            logf.write(line)
+            if line.startswith("warm start step"):
+                last = line.strip()
+                k, n = (int(v) for v in line.split()[3].split("/"))
+                prog.live(f"model    warm start [{bar(k, n)}] {last[len('warm start '):]}")
+        proc.wait()
+    if proc.returncode != 0:
+        raise SystemExit(f"init-model failed ({proc.returncode}); see {log}")
+    prog.phase("model", f"tiny Qwen3 (hidden 64, 2 layers, head_dim 64) warm-started on the task format: {last or 'done'}")
+    return model_dir
 
 
-async def _agents(base: str, group_size: int, concurrency: int, seed: int, trainer: subprocess.Popen, min_groups: int, max_groups: int) -> list[str]:
-    """Launch groups of sessions until the trainer is done (so weight updates land mid-generation)."""
-    from agents import set_tracing_disabled
+class StatsTail:
+    """Follows the trainer's stats.jsonl; prints a line per finished step."""
 
-    set_tracing_disabled(True)
-    rng = random.Random(seed)
-    ids: list[str] = []
-    running: set[asyncio.Task] = set()
-    g = 0
-    while g < max_groups and (g < min_groups or trainer.poll() is None):
-        while len(running) * group_size >= concurrency:
-            _, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-        group = [f"demo-g{g}-s{k}" for k in range(group_size)]
-        ids += group
-        running.add(asyncio.ensure_future(asyncio.gather(
-            *(_run_session(base, sid, f"demo-g{g}", group_size, random.Random(rng.random())) for sid in group)
-        )))
-        g += 1
-    if running:
-        await asyncio.gather(*running)
-    return ids
+    def __init__(self, path: Path, steps: int, prog: Progress):
+        self.path, self.steps, self.prog = path, steps, prog
+        self.records: list[dict[str, Any]] = []
+        self._pos = 0
+        self._last_t = prog.elapsed()
 
+    def poll(self) -> int:
+        if self.path.is_file():
+            with self.path.open() as f:
+                f.seek(self._pos)
+                chunk = f.read()
+            lines = chunk.split("\n")
+            complete, rest = lines[:-1], lines[-1]
+            self._pos += len(chunk) - len(rest)
+            for line in complete:
+                if line.strip():
+                    self._step(json.loads(line))
+        return len(self.records)
 
-def _metric(text: str, name: str, label: str | None = None) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        m = re.match(rf"{re.escape(name)}(?:_total)?(\{{[^}}]*\}})?\s+([-+0-9.eE]+|NaN|\+Inf)$", line)
-        if m and (label is None or (m.group(1) and label in m.group(1))):
-            total += float(m.group(2))
-    return total
-
-
-def _plot(stats: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = [k for k in ("loss", "reward_mean", "behav_imp_weight_mean", "behav_imp_weight_max", "clip_frac", "entropy", "staleness_mean")
-            if any(k in s for s in stats)]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True, squeeze=False)
-    steps = [s["step"] for s in stats]
-    for ax, k in zip(axes[:, 0], keys):
-        ax.plot(steps, [s.get(k, float("nan")) for s in stats], marker="o")
-        ax.set_ylabel(k.replace("_", " "))
-        ax.grid(alpha=0.3)
-    from matplotlib.ticker import MaxNLocator
-
-    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[-1, 0].set_xlabel("training step")
-    fig.suptitle("splice demo: per-step trainer metrics")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    def _step(self, r: dict[str, Any]) -> None:
+        self.records.append(r)
+        now = self.prog.elapsed()
+        self.prog.line(
+            f"step {r['step']:>2}/{self.steps} [{bar(r['step'], self.steps, 12)}] v{r['version']}"
+            f" | reward {r.get('reward_mean', 0):.3f}±{r.get('reward_std', 0):.3f} over {r.get('n_sessions', 0)} sessions"
+            f" | w {r.get('behav_imp_weight_mean', 1):.3f} max {r.get('behav_imp_weight_max', 1):.2f}"
+            f" | stale {r.get('staleness_mean', 0):.2f} | ent {r.get('entropy_mean', 0):.2f}"
+            f" | train {r.get('train_time_s', 0):.1f}s publish {r.get('publish_time_s', 0):.1f}s | step took {now - self._last_t:.1f}s"
+        )
+        self._last_t = now
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="splice demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--groups", type=int, default=4, help="groups to run at least")
-    p.add_argument("--max-groups", type=int, default=40, help="groups to run at most while the trainer trains")
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--token-delay-ms", type=int, default=15, help="script pace, so updates land mid-generation")
-    p.add_argument("--out", default=None, help="run directory (default: runs/demo-<time>)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-
-    from engines.reference.model_init import ensure_model
-
+    args = _parser().parse_args(argv)
+    if args.engine_url and not args.model:
+        raise SystemExit("--engine-url needs --model (the model the server serves; the trainer starts from the same weights)")
     t_start = time.monotonic()
+    prog = Progress(t0=t_start)
     run = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     run.mkdir(parents=True, exist_ok=True)
-    model_dir = str(ensure_model())
-    script = run / "script.json"
-    script.write_text(json.dumps(SCRIPT))
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not args.engine_url:
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    batch = args.groups_per_step * args.group_size
+    prog.line(f"splice demo: task {task.NAME} (reward computed from the sampled text, chance {task.chance_reward():.2f}), "
+              f"seed {args.seed}, {args.steps} steps x {batch} sessions; run dir {run}")
     procs: list[subprocess.Popen] = []
-    print(f"splice demo: run dir {run}")
     try:
-        proxy = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port), "--store", str(run / "splice.sqlite"),
-             "--reference-model", model_dir, "--reference-script", str(script),
-             "--reference-script-delay-ms", str(args.token_delay_ms), "--max-context", "4096"],
-            env=env, start_new_session=True, stdout=open(run / "proxy.log", "w"), stderr=subprocess.STDOUT,
-        )
-        procs.append(proxy)
-        _wait(base, proxy)
-        print(f"  proxy + reference engine up at {base} ({time.monotonic() - t_start:.0f}s)")
-        trainer = subprocess.Popen(
+        # 1-2: model and engine
+        if args.engine_url:
+            engine_url = args.engine_url.rstrip("/")
+            model_dir, model_name = _resolve_model(args.model), args.model
+            prog.phase("model", f"{args.model} (trainer copy: {model_dir})")
+            prog.phase("engine", f"{args.engine} server at {engine_url} (external)")
+        else:
+            model_dir, model_name = str(_init_model(run, args, env, prog, procs)), SERVED_NAME
+            port = free_port()
+            engine_url = f"http://127.0.0.1:{port}"
+            log = run / "engine.log"
+            engine = _spawn([sys.executable, "-m", "proxy.cli", "engine", "--model", model_dir, "--port", str(port),
+                             "--token-delay-ms", str(args.token_delay_ms), "--seed", str(args.seed),
+                             "--served-model-name", SERVED_NAME, "--threads", "1"], log, env, procs)
+            prog.live("engine   starting the CPU reference engine ...")
+            _wait(engine_url, engine, "reference engine", log)
+            prog.phase("engine", f"reference engine (SGLang API, sampling at T=1, {args.token_delay_ms:g} ms/token) up at {engine_url}")
+
+        # 3: proxy
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "proxy.cli", "serve", "--engine", args.engine, "--engine-url", engine_url,
+               "--tokenizer", model_dir, "--model-name", model_name, "--store", str(run / "splice.sqlite"), "--port", str(port)]
+        if not args.engine_url:
+            cmd += ["--renderer", "qwen3"]
+        log = run / "proxy.log"
+        proxy = _spawn(cmd, log, env, procs)
+        prog.live("proxy    starting ...")
+        _wait(base, proxy, "proxy", log)
+        prog.phase("proxy", f"splice serve up at {base} (store {run / 'splice.sqlite'})")
+
+        # 4: trainer + agents
+        trainer = _spawn(
             [sys.executable, "-m", "proxy.cli", "train", "--proxy", base, "--model", model_dir, "--steps", str(args.steps),
-             "--out", str(run / "train"), "--batch-samples", str(args.group_size), "--min-samples", str(args.group_size),
-             "--lr", "1e-4", "--pull-wait-s", "5", "--pull-timeout-s", "240", "--no-progress"],
-            env=env, start_new_session=True, stdout=open(run / "trainer.log", "w"), stderr=subprocess.STDOUT,
+             "--out", str(run / "train"), "--batch-samples", str(batch), "--min-samples", str(batch), "--lr", str(args.lr),
+             "--ppo-n-minibatches", str(args.minibatches), "--seed", str(args.seed), "--pull-wait-s", "5",
+             "--pull-timeout-s", "240", "--keep-last", "2", "--no-progress", "--log-sessions"],
+            run / "trainer.log", env, procs,
         )
-        procs.append(trainer)
-        session_ids = asyncio.run(
-            _agents(base, args.group_size, args.concurrency, args.seed, trainer, args.groups, args.max_groups)
-        )
-        print(f"  {len(session_ids)} agent sessions finished ({time.monotonic() - t_start:.0f}s)")
+        prog.phase("trainer", f"splice train: GRPO, decoupled PPO (segment-wise w), lr {args.lr:g}, "
+                              f"{args.minibatches} minibatches/step; publishes v+1 through the proxy after every step")
+        tail = StatsTail(run / "train" / "stats.jsonl", args.steps, prog)
+        driver = Driver(base=base, model_name=model_name, group_size=args.group_size, groups_per_step=args.groups_per_step,
+                        steps=args.steps, lead=args.lead, concurrency=args.concurrency,
+                        max_output_tokens=args.max_output_tokens, seed=args.seed, steps_done=lambda: 0, trainer=trainer)
+
+        def steps_done() -> int:
+            n = tail.poll()
+            done = len(driver.results)
+            prog.live(f"sessions {done} done, {driver.running} running, {driver.launched} launched"
+                      f" | trainer on step {min(n + 1, args.steps)}/{args.steps}")
+            return n
+
+        driver.steps_done = steps_done
+        results = asyncio.run(driver.run())
+        tail.poll()
+        prog.phase("sessions", f"{len(results)} sessions finished ({sum(r.error is not None for r in results)} with a failed turn)")
         try:
-            trainer.wait(timeout=300)
+            trainer.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            trainer.kill()
             raise SystemExit("the trainer did not finish in time; see trainer.log")
         if trainer.returncode != 0:
             print((run / "trainer.log").read_text()[-3000:])
             raise SystemExit(f"the trainer failed with code {trainer.returncode}; see {run / 'trainer.log'}")
-        return _report(base, run, session_ids, t_start)
+        return _report(base, run, args, results, tail.records, prog, model_name)
     finally:
+        prog.done()
         for proc in procs:
             if proc.poll() is None:
                 try:
@@ -207,61 +239,51 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _report(base: str, run: Path, session_ids: list[str], t_start: float) -> int:
-    sessions = [httpx.get(f"{base}/v1/sessions/{sid}", timeout=60).json() for sid in session_ids]
-    metrics = httpx.get(f"{base}/metrics", timeout=30).text
-    stats = [json.loads(line) for line in (run / "train" / "stats.jsonl").read_text().splitlines() if line.strip()]
-    # What is left in the pool, pulled and checked (then acked) like a trainer would.
-    left = httpx.post(f"{base}/v1/trajectories/pull", json={"max_samples": 1000, "wait_s": 0}, timeout=120).json()
-    problems: list[str] = []
-    turns_by_session = {s["session_id"]: s["turns"] for s in sessions}
-    for s in sessions:
-        problems += check_session(s)
-    for sample in left["samples"]:
-        problems += check_sample(sample, turns_by_session.get(sample["session_id"], []))
-    if left.get("lease_id"):
-        httpx.post(f"{base}/v1/trajectories/ack", json={"lease_id": left["lease_id"]}, timeout=30)
-
-    turns = [t for s in sessions for t in s["turns"]]
-    versions = sorted({v for t in turns for v in t["versions"]})
-    multi_version_turns = sum(len(set(t["versions"])) > 1 for t in turns)
-    forks: dict[str, int] = {}
-    for s in sessions:
-        for k, v in s["forks"].items():
-            forks[k] = forks.get(k, 0) + v
-    spliced = sum(t["spliced"] for t in turns)
-    later = sum(t["index"] > 0 for t in turns)
-    recomputed = sum(1 for t in turns for v, pv in zip(t["versions"], t["proximal_versions"]) if pv == v + 1)
-    rows = [
-        ("sessions", len(sessions)),
-        ("turns", len(turns)),
-        ("spliced share of later turns", f"{spliced}/{later}"),
-        ("forks by reason", json.dumps(forks) if forks else "none"),
-        ("prompt tokens / output tokens", f"{int(_metric(metrics, 'splice_prompt_tokens'))} / {int(_metric(metrics, 'splice_output_tokens'))}"),
-        ("drift avoided (turns)", int(_metric(metrics, "splice_drift_avoided"))),
-        ("aborts / resumes", f"{int(_metric(metrics, 'splice_aborts'))} / {int(_metric(metrics, 'splice_resumes'))}"),
-        ("turns spanning several versions", multi_version_turns),
-        ("policy versions seen", versions),
-        ("proximal values recomputed (tokens)", recomputed),
-        ("trainer steps", len(stats)),
-    ]
-    for s in stats:
-        rows.append(
-            (f"step {s['step']}", f"reward {s.get('reward_mean', float('nan')):+.3f}  loss {s.get('loss', float('nan')):+.4f}  "
-             f"w mean {s.get('behav_imp_weight_mean', float('nan')):.3f} max {s.get('behav_imp_weight_max', float('nan')):.3f}")
-        )
-    width = max(len(r[0]) for r in rows)
-    print("\n" + "=" * (width + 40))
-    for k, v in rows:
-        print(f"{k.ljust(width)}  {v}")
-    print("=" * (width + 40))
-    plot = run / "demo_metrics.png"
-    if stats:
-        _plot(stats, plot)
-        print(f"plot: {plot}")
-    if len(stats) < 2 or max(versions or [0]) < 2:
+def _report(base: str, run: Path, args: argparse.Namespace, results: list, stats: list[dict[str, Any]], prog: Progress,
+            model_name: str) -> int:
+    prog.live("report   reading the recorded sessions ...")
+    with httpx.Client(base_url=base, timeout=120) as h:
+        sessions = [h.get(f"/v1/sessions/{r.session_id}").json() for r in results]
+        metrics = h.get("/metrics").text
+        # What is left in the pool, pulled and checked (then acked) like a trainer would.
+        left = h.post("/v1/trajectories/pull", json={"max_samples": 10000, "wait_s": 0}).json()
+        turns_by_session = {s["session_id"]: s["turns"] for s in sessions}
+        problems: list[str] = []
+        for s in sessions:
+            problems += check_session(s)
+        for sample in left["samples"]:
+            problems += check_sample(sample, turns_by_session.get(sample["session_id"], []))
+        if left.get("lease_id"):
+            h.post("/v1/trajectories/ack", json={"lease_id": left["lease_id"]})
+    versions = sorted({v for s in sessions for t in s["turns"] for v in t["versions"]})
+    if len(stats) < args.steps:
+        problems.append(f"the trainer finished {len(stats)} of {args.steps} steps")
+    if max(versions or [0]) < 2:
         problems.append(f"expected at least two weight updates during the run, saw versions {versions}")
-    print(f"finished in {time.monotonic() - t_start:.0f}s")
+    if not any(len(set(t["versions"])) > 1 for s in sessions for t in s["turns"]):
+        problems.append("no weight update landed while a turn was being generated")
+    summary = build_summary(
+        task={"name": task.NAME, "description": task.DESCRIPTION, "chance_reward": task.chance_reward(),
+              "reward": "computed by the demo from each turn's sampled message text (proxy/demo/task.py), posted to the proxy"},
+        stats=stats,
+        sessions=sessions,
+        rewards={r.session_id: r.reward for r in results},
+        metrics_text=metrics,
+        problems=problems,
+        checked={"sessions_checked": len(sessions), "leftover_samples_checked": len(left["samples"])},
+        extra={"seed": args.seed, "model": model_name, "engine": args.engine_url or "reference (CPU)",
+               "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
+               "wall_time_s": round(prog.elapsed(), 1)},
+    )
+    (run / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run / "sessions_answers.jsonl").write_text("".join(json.dumps(r.__dict__) + "\n" for r in results))
+    from .plot import plot_summary
+
+    plot = plot_summary(summary, run / "demo_metrics.png")
+    prog.done()
+    print("\n" + table(summary))
+    print(f"summary: {run / 'summary.json'}\nplot:    {plot}")
+    print(f"finished in {prog.elapsed():.0f}s")
     if problems:
         print(f"\nINVARIANT FAILURES ({len(problems)}):")
         for msg in problems[:50]:
