@@ -1,4 +1,4 @@
-"""Checks of SPEC sections 2-5 on recorded data; the demo exits non-zero when one fails."""
+"""Checks of docs/design.md sections 2-5 on recorded data; the demo exits non-zero when one fails."""
 
 from __future__ import annotations
 

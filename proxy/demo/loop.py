@@ -6,7 +6,7 @@ and warm-starts it for a few seconds on the task's *format*; (2) ``splice engine
 it; (4) ``splice train`` (the GRPO trainer, decoupled PPO loss) pulls token-exact samples and
 publishes new weights every step, while openai-agents sessions keep playing the two-turn task
 (``task.py``), so updates land mid-generation; (5) every recorded session and leftover sample
-is checked against SPEC sections 2-5 (``invariants.py``), and the run folder gets
+is checked against docs/design.md sections 2-5 (``invariants.py``), and the run folder gets
 ``summary.json`` and ``demo_metrics.png``. Exit status 1 when an invariant fails.
 
 With ``--engine-url URL --model ID`` phases 1-2 are skipped and the same task, proxy and trainer
@@ -289,5 +289,5 @@ def _report(base: str, run: Path, args: argparse.Namespace, results: list, stats
         for msg in problems[:50]:
             print("  - " + msg)
         return 1
-    print("all invariants hold (SPEC sections 2-5)")
+    print("all invariants hold (docs/design.md sections 2-5)")
     return 0
