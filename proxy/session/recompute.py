@@ -1,4 +1,4 @@
-"""R2 (SPEC section 4): give held tokens of version ``V-1`` their proximal logprob under ``V``.
+"""R2 (docs/design.md section 4): give held tokens of version ``V-1`` their proximal logprob under ``V``.
 
 After the weights move to version ``V``, every stored token sampled by ``V-1`` that has no
 proximal value yet gets ``log pi_V(x_i | x_<i)`` from a prefill-only engine call, so the

@@ -54,7 +54,7 @@ def pack_proximal(
     """Encode proximal arrays against the behaviour arrays; (None, None) while nothing was recomputed.
 
     Logprob blob: ``b"S"`` + float32 values only at positions whose proximal version differs
-    from the token version (elsewhere the proximal value is the behaviour logprob, SPEC 2), or
+    from the token version (elsewhere the proximal value is the behaviour logprob, docs/design.md section 2), or
     ``b"D"`` + every value when a caller broke that rule (kept exactly rather than "fixed").
     """
     pv_blob = None if np.array_equal(prox_versions, versions) else pack_runs(prox_versions)

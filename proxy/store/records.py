@@ -1,7 +1,7 @@
 """What the store keeps: one ``SessionRecord`` per agent session, one ``TurnRecord`` per finished turn.
 
 Per-token arrays of a turn are in *output* coordinates: index ``i`` describes output token ``i``
-(SPEC section 2). Sample assembly (``proxy.store.samples``) maps them into whole-sample coordinates.
+(docs/design.md section 2). Sample assembly (``proxy.store.samples``) maps them into whole-sample coordinates.
 """
 
 from __future__ import annotations

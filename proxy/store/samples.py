@@ -1,4 +1,4 @@
-"""Turn a rewarded session's turns into training samples (SPEC section 5, longest active prefix).
+"""Turn a rewarded session's turns into training samples (docs/design.md section 5, longest active prefix).
 
 Samples are assembled when the trainer pulls, from the stored turns, so proximal logprobs
 recomputed after the turn finished are always the ones handed out. Pure functions, no I/O.

@@ -1,4 +1,4 @@
-"""Errors and auth over HTTP (SPEC 7, 8): OpenAI-shaped error bodies with the right status.
+"""Errors and auth over HTTP (docs/design.md 7, 8): OpenAI-shaped error bodies with the right status.
 
 One proxy with ``--api-key``, ``--admin-token`` and a tiny ``--max-context`` serves every test
 here; the scripted answer is longer than the context, so clamping ``max_output_tokens`` shows.

@@ -290,7 +290,7 @@ def test_models_and_health(proxy):
 
 @pytest.mark.parametrize("cut", [{"stop": ["add those"]}, {"max_tokens": 12}])
 def test_turn_cut_by_stop_string_or_length_is_closed_by_the_bridge(proxy, cut):
-    """SPEC 3: the ids keep what was sampled (no end token here), and the next turn's bridge
+    """docs/design.md 3: the ids keep what was sampled (no end token here), and the next turn's bridge
     starts with the tokens that close the unfinished assistant turn."""
     sid = _sid()
     client = _client(proxy, sid)

@@ -1,4 +1,4 @@
-"""``kill -9`` of the proxy and its engine between turns, then a restart on the same store (SPEC 11).
+"""``kill -9`` of the proxy and its engine between turns, then a restart on the same store (docs/design.md 11).
 
 Every turn whose response was returned, every reward and every lease must survive; a pull
 after the restart must not hand out a sample that is leased (and not expired); acking that

@@ -1,4 +1,4 @@
-"""Seed 002's rollback trajectory driven through the Chat Completions API (SPEC 5).
+"""Seed 002's rollback trajectory driven through the Chat Completions API (docs/design.md 5).
 
 Seed 002 (4 steps, prompt [1,2]):
 

@@ -1,7 +1,7 @@
 """Reward -> pull -> ack over HTTP against ``splice serve`` (script mode, short lease timeout).
 
 Samples are checked against the session's own turn records: the pull API must hand out
-exactly the ids and per-token arrays the proxy recorded, in token coordinates (SPEC 2, 5).
+exactly the ids and per-token arrays the proxy recorded, in token coordinates (docs/design.md 2, 5).
 Every test filters pulls by its own session ids and acks what it leased, so the tests do not
 depend on each other; the script has one entry (a tool call), so outputs do not depend on order.
 """

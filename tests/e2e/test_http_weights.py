@@ -1,4 +1,4 @@
-"""Weight updates through the admin API while a generation is in flight (SPEC 4, R1 and R2).
+"""Weight updates through the admin API while a generation is in flight (docs/design.md 4, R1 and R2).
 
 The engine emits a long scripted text at a fixed pace; the test pauses the engines mid-output,
 loads a perturbed copy of the model as version 1 and resumes. The proxy must stamp the tokens

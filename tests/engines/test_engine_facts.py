@@ -10,7 +10,7 @@ import httpx
 import pytest
 import respx
 
-from engine_fakes import FakeSGLang, FakeVLLM, Step, until
+from tests.fakes.engines import FakeSGLang, FakeVLLM, Step, until
 from engines.http import redact_url
 from engines.pool import EnginePool, merge_info
 from engines.sglang import SGLangClient

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import respx
 
-from engine_fakes import FakeSGLang, FakeVLLM, Step, default_lp, until
+from tests.fakes.engines import FakeSGLang, FakeVLLM, Step, default_lp, until
 from engines.pool import EnginePool
 from engines.types import (
     EnginePaused,
@@ -46,7 +46,7 @@ async def update_cycle(pool: EnginePool, version: int) -> None:
 
 SEED_PROMPT = [11, 12, 13]
 P0 = len(SEED_PROMPT)
-# log pi_v at absolute positions, as the worked example of SPEC section 4 gives them
+# log pi_v at absolute positions, as the worked example of docs/design.md section 4 gives them
 SEED_TABLE = {(1, P0): -2.3, (2, P0): -2.2, (2, P0 + 1): -1.5, (2, P0 + 2): -2.0}
 
 
@@ -228,7 +228,7 @@ def test_streaming_survives_aborts_and_delivers_each_token_once():
     async def go():
         seen: list[int] = []
 
-        async def on_tokens(ids):  # the one-argument form works too
+        async def on_tokens(ids, logprobs):
             seen.extend(ids)
 
         with respx.mock(assert_all_called=False) as router:

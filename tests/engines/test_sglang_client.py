@@ -9,7 +9,7 @@ import httpx
 import pytest
 import respx
 
-from engine_fakes import FakeSGLang, Step, sglang_reply, sse
+from tests.fakes.engines import FakeSGLang, Step, sglang_reply, sse
 from engines.sglang import SGLangClient, generate_payload, parse_response
 from engines.types import EngineBadResponse, EngineRejected, SamplingParams
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import respx
 
-from engine_fakes import FakeVLLM, Step, vllm_reply
+from tests.fakes.engines import FakeVLLM, Step, vllm_reply
 from engines.types import EngineBadResponse, EngineUnsupported, SamplingParams
 from engines.vllm import VLLMClient, completion_payload, parse_completion
 

@@ -7,40 +7,10 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.types import Generation
+from tests.fakes.engines import FixedPool
 from proxy.app import create_app
 from proxy.settings import Settings
 from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir
-
-
-class FixedPool:
-    """An engine pool that answers every turn with the same sampled ids (no model)."""
-
-    def __init__(self, ids: list[int]):
-        self.ids = ids
-        self.version = 0
-        self.paused = False
-
-    async def start(self):
-        pass
-
-    async def close(self):
-        pass
-
-    async def generate(self, input_ids, params, *, session_id, on_tokens=None):
-        ids = self.ids[: params.max_new_tokens]
-        if on_tokens is not None:
-            await on_tokens(ids, [-0.5] * len(ids))
-        n = len(ids)
-        return Generation(output_ids=list(ids), logprobs=[-0.5] * n, versions=[0] * n, proximal_logprobs_t=[-0.5] * n,
-                          proximal_versions=[0] * n, finish_reason="stop" if n == len(self.ids) else "length",
-                          prompt_tokens=len(input_ids))
-
-    async def prefill_logprobs(self, input_ids, start, *, session_id):
-        return [-0.5] * (len(input_ids) - start)
-
-    def status(self):
-        return {"in_flight": 0}
 
 
 @pytest.fixture(scope="module")

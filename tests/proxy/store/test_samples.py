@@ -1,4 +1,4 @@
-"""Longest-active-prefix sample assembly (SPEC section 5, seed 002)."""
+"""Longest-active-prefix sample assembly (docs/design.md section 5, seed 002)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""respx fakes shaped exactly like SGLang's and vLLM's HTTP replies (SPEC section 9).
+"""respx fakes shaped exactly like SGLang's and vLLM's HTTP replies (docs/design.md section 9).
 
 Replies carry the real quirks: SGLang's ``[lp, id, null]`` triples, the null first input
 logprob, ``finish_reason`` dicts, string ``weight_version``, empty output for a request aborted
@@ -19,6 +19,8 @@ from typing import Awaitable, Callable
 
 import httpx
 import respx
+
+from engines.types import EngineInfo, Generation
 
 
 def default_lp(version: int, pos: int, token: int) -> float:
@@ -448,3 +450,34 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.001)
+
+
+class FixedPool:
+    """An engine pool that answers every turn with the same sampled ids (no model)."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self.version = 0
+        self.paused = False
+        self.info = EngineInfo()  # an engine that says nothing about itself
+
+    async def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+    async def generate(self, input_ids, params, *, session_id, on_tokens=None):
+        ids = self.ids[: params.max_new_tokens]
+        if on_tokens is not None:
+            await on_tokens(ids, [-0.5] * len(ids))
+        n = len(ids)
+        return Generation(output_ids=list(ids), logprobs=[-0.5] * n, versions=[0] * n, proximal_logprobs_t=[-0.5] * n,
+                          proximal_versions=[0] * n, finish_reason="stop" if n == len(self.ids) else "length",
+                          prompt_tokens=len(input_ids))
+
+    async def prefill_logprobs(self, input_ids, start, *, session_id):
+        return [-0.5] * (len(input_ids) - start)
+
+    def status(self):
+        return {"in_flight": 0}
