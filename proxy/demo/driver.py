@@ -9,6 +9,7 @@ version or two stale.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 import time
@@ -89,6 +90,9 @@ class Driver:
         from agents import set_tracing_disabled
 
         set_tracing_disabled(True)
+        # a failed episode (e.g. no end of turn within max_output_tokens) is graded 0 and counted
+        # in the summary; the SDK's own error log would only break up the progress lines
+        logging.getLogger("openai.agents").setLevel(logging.CRITICAL)
         rng = random.Random(self.seed)
         sem = asyncio.Semaphore(self.concurrency)
         tasks: set[asyncio.Task] = set()
@@ -111,7 +115,7 @@ class Driver:
                 seen, seen_at = n, now
             # Once the trainer's pace is known, spread a step's groups over one step, so that
             # turns are being generated whenever it publishes.
-            interval = 0.9 * sum(durations[-3:]) / len(durations[-3:]) / self.groups_per_step if durations else 0.0
+            interval = sum(durations[-3:]) / len(durations[-3:]) / self.groups_per_step if durations else 0.0
             if g < self._allowed_groups() and now - last_launch >= interval:
                 prompt = sample_prompt(rng)
                 gid = f"demo-g{g}"

@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1.5e-3, help="trainer learning rate (use ~1e-6 for a real model)")
     p.add_argument("--minibatches", type=int, default=2, help="PPO optimizer steps per training step")
     p.add_argument("--max-output-tokens", type=int, default=16, help="per turn (raise it for a real, thinking model)")
-    p.add_argument("--token-delay-ms", type=float, default=10.0, help="reference engine pace per token, so updates land mid-generation")
+    p.add_argument("--token-delay-ms", type=float, default=25.0, help="reference engine pace per token, so updates land mid-generation")
     p.add_argument("--warm-start-steps", type=int, default=30, help="format warm start of the tiny model (Adam steps)")
     p.add_argument("--seed", type=int, default=0, help="seeds the model, the warm start, the prompts, sampling and the trainer")
     p.add_argument("--out", default=None, help="run directory (default: runs/demo-<time>)")
@@ -271,7 +271,9 @@ def _report(base: str, run: Path, args: argparse.Namespace, results: list, stats
         metrics_text=metrics,
         problems=problems,
         checked={"sessions_checked": len(sessions), "leftover_samples_checked": len(left["samples"])},
-        extra={"seed": args.seed, "model": model_name, "engine": args.engine_url or "reference (CPU)",
+        extra={"seed": args.seed,
+               "failed_sessions": {"n": sum(r.error is not None for r in results),
+                                   "errors": sorted({r.error.split(":")[0] for r in results if r.error})}, "model": model_name, "engine": args.engine_url or "reference (CPU)",
                "config": {k: v for k, v in vars(args).items() if k not in ("out",)},
                "wall_time_s": round(prog.elapsed(), 1)},
     )

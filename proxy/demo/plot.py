@@ -44,7 +44,7 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     ax_r.set_ylim(-0.02, 1.02)
     ax_r.set_title("Reward from the sampled text (0-1)")
     ax_r.set_ylabel("session reward")
-    ax_r.legend(fontsize=7.5, loc="upper left")
+    ax_r.legend(fontsize=7.5, loc="lower right")
 
     # (b) entropy of the sampled tokens under the trainer's policy
     ax_e.plot(x, _vals(steps, "entropy_mean"), marker="o", color="C2")
@@ -86,12 +86,14 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     ax_g.legend(fontsize=7.5)
 
     # (e) staleness of the trained tokens
+    stale_max = _vals(steps, "staleness_max")
     ax_s.bar(x, _vals(steps, "staleness_mean"), color="C5", alpha=0.7, label="mean")
-    ax_s.plot(x, _vals(steps, "staleness_max"), marker="_", ms=14, ls="none", color="k", label="max")
+    ax_s.plot(x, stale_max, marker="_", ms=14, ls="none", color="k", label="max")
+    ax_s.set_ylim(0, max([v for v in stale_max if not math.isnan(v)] or [1]) + 0.7)
     ax_s.set_title("Staleness of trained tokens")
     ax_s.set_ylabel("versions behind the trainer")
     ax_s.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_s.legend(fontsize=7.5)
+    ax_s.legend(fontsize=7.5, loc="upper center", ncol=2)
 
     # (f) weight updates landing while turns were being generated
     ax_u.bar(x, _vals(steps, "turns_resumed_across_update"), color="C6", alpha=0.8)
