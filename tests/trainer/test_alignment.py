@@ -1,4 +1,4 @@
-"""Token coordinates end to end (SPEC section 2; seed 000 bug 2).
+"""Token coordinates end to end (docs/design.md section 2; seed 000 bug 2).
 
 A behaviour logprob must only ever be compared with the logprob of the *same* token. The
 samples here carry, for every sampled token, the exact logprob the model gives it (what an

@@ -1,4 +1,4 @@
-"""ProxyClient wire format (SPEC section 7), retries and errors, against respx-mocked proxies."""
+"""ProxyClient wire format (docs/design.md section 7), retries and errors, against respx-mocked proxies."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""decoupled_ppo_loss against an independent per-token float64 reference (SPEC section 6)."""
+"""decoupled_ppo_loss against an independent per-token float64 reference (docs/design.md section 6)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from trainer_bridge.loss import decoupled_ppo_loss
 
 
 def reference(inputs, *, eps_clip, eps_clip_higher, c_clip, behav_weight, cap, floor):
-    """Plain-python transcription of SPEC section 6, one token at a time."""
+    """Plain-python transcription of docs/design.md section 6, one token at a time."""
     eps_hi = eps_clip if eps_clip_higher is None else eps_clip_higher
     lp, prox, old, prox_t, adv, mask = (inputs[k].reshape(-1).tolist() for k in ("lp", "prox", "old", "prox_t", "adv", "mask"))
     total, n = 0.0, 0
