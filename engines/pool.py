@@ -1,7 +1,8 @@
 """``EnginePool``: the one object the proxy uses to reach its engines.
 
-It owns the policy version ``V``, routes each session to a replica (consistent hashing, sticky,
-failover along the ring), runs the abort-resume loop (R1, ``engines.resume``), computes
+It owns the policy version ``V``, routes each session to a replica (consistent hashing, or
+``routing="least-loaded"``: least in-flight at first placement, then sticky; failover along the
+ring either way), runs the abort-resume loop (R1, ``engines.resume``), computes
 prefill-only logprobs (R2), and broadcasts pause / resume / weight updates to every replica.
 
 Pause semantics: ``pause()`` clears the resume event *before* the engines abort their requests,
@@ -17,6 +18,14 @@ them. Context rule: a turn's output is capped so that ``prompt + output + 1 <=
 context_length`` (``max_new_tokens``): the recompute prefill of the whole turn (R2; vLLM
 samples one token even in a prefill, SGLang rejects an input of ``context_length`` tokens) and
 the abort-resume prefill (R1) then always fit.
+
+Versions (docs/fleet.md): a token's version is the version of the weights that sampled it, read
+from the engine where it reports one (SGLang ``meta_info.weight_version`` on every reply; vLLM
+``GET /weight_info`` read after each call), never from this pool's belief, which may lag when
+several proxies share the engines. ``start()`` adopts the version the engines report (a proxy
+that was down during an update catches up), and the health loop follows the engines forward.
+``update_weights(..., engines=[...])`` loads on named replicas only (a fleet loads each engine
+once, through one proxy) and skips a replica that already reports the version (idempotent).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import httpx
 
 from engines.client import EngineClient, TokensCallback
 from engines.resume import Stitcher, parse_version
-from engines.routing import HashRing
+from engines.routing import ROUTING_POLICIES, HashRing, StickyTable
 from engines.sglang import SGLangClient
 from engines.types import (
     ContextLengthExceeded,
@@ -65,10 +74,34 @@ class Replica:
     stale: bool = False  # missed a weight update: not routed to until it has the current weights
     in_flight: int = 0
     info: EngineInfo | None = None  # what the replica said at start(); None if it was down
+    version: int | None = None  # the weight version the engine last reported (None: unknown)
+    reports_version: bool = True  # False once a vLLM replica showed it has no /weight_info
 
     @property
     def usable(self) -> bool:
         return self.healthy and not self.stale
+
+    @property
+    def id(self) -> str:
+        """A stable identity for the engine behind this replica: its URL (credentials redacted),
+        scheme and host lower-cased, no trailing slash. Proxies that name an engine the same way
+        report the same id, which is how a fleet publish loads each engine once."""
+        return engine_id(self.url)
+
+
+def engine_id(url: str) -> str:
+    """``Replica.id`` for a URL (see there)."""
+    import urllib.parse
+
+    url = url.strip().rstrip("/")
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return url
+    netloc = parts.netloc
+    userinfo, at, hostport = netloc.rpartition("@")
+    netloc = f"{userinfo}{at}{hostport.lower()}"
+    return urllib.parse.urlunsplit((parts.scheme.lower(), netloc, parts.path.rstrip("/"), parts.query, ""))
 
 
 class EnginePool:
@@ -85,6 +118,8 @@ class EnginePool:
         health_interval_s: float = 5.0,
         http_client: httpx.AsyncClient | None = None,
         vnodes: int = 160,
+        routing: str = "hash",
+        sticky_capacity: int = 100_000,
     ):
         kind = "sglang" if kind == "reference" else kind  # the reference engine speaks SGLang's API
         if kind not in ("sglang", "vllm"):
@@ -110,6 +145,10 @@ class EnginePool:
                 raise ValueError(f"duplicate engine URL {client.url}")
             self._replicas[client.url] = Replica(client.url, client)
         self._ring = HashRing(self._replicas, vnodes=vnodes)
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"unknown routing policy {routing!r} (expected one of {', '.join(ROUTING_POLICIES)})")
+        self.routing = routing
+        self._sticky = StickyTable(sticky_capacity) if routing == "least-loaded" else None
         self._version = int(version)
         self._paused = False
         self._resumed = asyncio.Event()
@@ -168,9 +207,16 @@ class EnginePool:
             )
         return room if requested is None else max(0, min(int(requested), room))
 
-    def set_version(self, v: int) -> None:
-        """Set V when the trainer moved the weights itself (or after a restart)."""
+    def set_version(self, v: int, *, model_path: str | None = None) -> None:
+        """Set V when the weights were moved by other means: by the trainer itself, or (in a
+        fleet) through another proxy that loaded them on these engines. ``model_path``, when
+        given, is what a replica that comes back stale is brought up to."""
         self._version = int(v)
+        if model_path:
+            self._model_path = model_path
+
+    def replica_ids(self) -> list[str]:
+        return [r.id for r in self._replicas.values()]
 
     def status(self) -> dict[str, Any]:
         return {
@@ -182,8 +228,15 @@ class EnginePool:
             "context_length": self._info.context_length,
             "can_pause": self._info.can_pause,
             "can_reload": self._info.can_reload,
+            "routing": self.routing,
             "replicas": [
                 {"url": r.url, "healthy": r.healthy, "stale": r.stale, "in_flight": r.in_flight}
+                for r in self._replicas.values()
+            ],
+            # per replica: the engine's stable identity (what a fleet publish deduplicates on)
+            # and the weight version the engine last reported
+            "engine_replicas": [
+                {"id": r.id, "url": r.url, "healthy": r.healthy, "stale": r.stale, "weight_version": r.version}
                 for r in self._replicas.values()
             ],
         }
@@ -199,6 +252,7 @@ class EnginePool:
         """
         await self.health()
         await self.refresh_info()
+        self._follow_engines(backwards=True)
         if self.kind == "vllm" and not self.model and self._info.served_model:
             self.model = self._info.served_model
             for r in self._replicas.values():
@@ -218,6 +272,8 @@ class EnginePool:
                 return
             try:
                 r.info = await r.client.info()
+                if r.info.weight_version is not None:
+                    r.version = r.info.weight_version
             except EngineError as exc:
                 self._note_error(r, exc)
                 log.warning("could not read the engine facts of %s: %s", r.url, exc)
@@ -258,7 +314,11 @@ class EnginePool:
     def _candidates(self, session_id: str) -> list[Replica]:
         """Ring order for the session: usable replicas first (the owner unless it is down), then
         those believed down (health may be out of date), stale ones last."""
-        order = [self._replicas[u] for u in self._ring.preference(session_id)]
+        ring = self._ring.preference(session_id)
+        if self._sticky is not None:
+            load = {u: r.in_flight for u, r in self._replicas.items()}
+            ring = self._sticky.place(session_id, ring, load, lambda u: self._replicas[u].usable)
+        order = [self._replicas[u] for u in ring]
         return sorted(order, key=lambda r: (r.stale, not r.healthy))  # stable: keeps ring order
 
     def _note_error(self, replica: Replica, exc: EngineError) -> None:
@@ -376,6 +436,7 @@ class EnginePool:
                 finally:
                     stitch.gen.engine_time_s += time.perf_counter() - t0
                 replica.healthy = True
+                seg = await self._engine_version(replica, seg)
                 stitch.add(seg, sent_version)
                 if stitch.settle():
                     break
@@ -392,6 +453,44 @@ class EnginePool:
         gen.replica = replica.url
         gen.check()
         return gen
+
+    async def _read_version(self, replica: Replica) -> str | None:
+        """The replica's weight version read from the engine now (vLLM ``/weight_info``), for a
+        reply that did not carry one; None when the engine cannot say."""
+        if not replica.reports_version:
+            return None
+        try:
+            reported = await replica.client.weight_version()
+        except Exception as exc:  # noqa: BLE001 - a fact we cannot read falls back to V
+            log.debug("could not read the weight version of %s: %r", replica.url, exc)
+            return None
+        if reported is None:
+            replica.reports_version = False  # no /weight_info (vLLM without dev mode): stop asking
+            return None
+        v = parse_version(reported)
+        if v is not None:
+            replica.version = v
+        return reported
+
+    async def _engine_version(self, replica: Replica, seg: Any) -> Any:
+        """``seg`` with the engine's weight version filled in where the reply had none.
+
+        vLLM completions carry no version, so it is read from ``/weight_info`` right after the
+        call: weights only change while the engine is paused and a pause aborts running calls,
+        so a call that completed ran under the version the engine reports next (an update that
+        slipped in between would need a whole pause and load, which is far slower than this
+        read). An aborted call's tokens are stamped the same way: the abort came from the pause
+        that precedes any load. Falls back to the pool's V when the engine does not say.
+        """
+        if seg.weight_version is not None:
+            v = parse_version(seg.weight_version)
+            if v is not None:
+                replica.version = v
+            return seg
+        if not seg.output_ids and not seg.input_logprobs:
+            return seg
+        reported = await self._read_version(replica)
+        return seg if reported is None else replace(seg, weight_version=reported)
 
     # -- prefill (R2) ---------------------------------------------------------------------------
 
@@ -410,9 +509,11 @@ class EnginePool:
             raise EnginePaused("engines are paused; prefill after resume")
         version = self._version
         ids = list(input_ids)
-        _, (values, reported) = await self._call_with_failover(
+        replica, (values, reported) = await self._call_with_failover(
             session_id, lambda r: r.client.prefill(ids, start, routing_key=session_id), may_retry=lambda: True
         )
+        if reported is None:
+            reported = await self._read_version(replica)
         engine_version = parse_version(reported)
         if self._version != version or (engine_version is not None and engine_version != version):
             raise EngineVersionChanged(
@@ -422,10 +523,12 @@ class EnginePool:
 
     # -- admin ----------------------------------------------------------------------------------
 
-    async def _broadcast(self, what: str, op: Callable[[Replica], Awaitable[None]]) -> list[Replica]:
-        """Run ``op`` on every replica concurrently. Returns the replicas that were unreachable;
-        raises when a reachable replica failed or none succeeded."""
-        replicas = list(self._replicas.values())
+    async def _broadcast(
+        self, what: str, op: Callable[[Replica], Awaitable[None]], replicas: list[Replica] | None = None
+    ) -> list[Replica]:
+        """Run ``op`` on every replica (or those given) concurrently. Returns the replicas that were
+        unreachable; raises when a reachable replica failed or none succeeded."""
+        replicas = list(self._replicas.values()) if replicas is None else replicas
         results = await asyncio.gather(*(op(r) for r in replicas), return_exceptions=True)
         down: list[Replica] = []
         errors: list[str] = []
@@ -489,8 +592,11 @@ class EnginePool:
             self._paused = False
             self._resumed.set()
 
-    async def update_weights(self, model_path: str, version: int) -> None:
-        """Load ``model_path`` on every replica as ``version``, then make it V.
+    async def update_weights(self, model_path: str, version: int, *, engines: list[str] | None = None) -> dict[str, list[str]]:
+        """Load ``model_path`` on every replica (or only those whose ``id`` is in ``engines``) as
+        ``version``, then make it V. A replica whose engine already reports ``version`` is not
+        loaded again (a re-run publish is idempotent). Returns ``{"loaded": [...], "skipped":
+        [...], "stale": [...]}`` (replica ids).
 
         A replica that is down is marked stale (no traffic) and brought up to date by the health
         loop when it returns; V is set as long as one replica has the new weights. When a
@@ -501,17 +607,42 @@ class EnginePool:
         raises ``EngineUnsupported`` (use ``set_version``).
         """
 
+        selected: list[Replica] | None = None
+        if engines is not None:
+            by_id = {r.id: r for r in self._replicas.values()}
+            unknown = [e for e in engines if engine_id(e) not in by_id]
+            if unknown:
+                raise ValueError(f"unknown engine(s) {unknown}; this proxy's engines are {sorted(by_id)}")
+            selected = [by_id[engine_id(e)] for e in dict.fromkeys(engines)]
+        loaded: list[str] = []
+        skipped: list[str] = []
+
         async def load(r: Replica) -> None:
-            await r.client.update_weights(model_path, version)
+            try:
+                now = parse_version(await r.client.weight_version())
+            except EngineUnavailable:
+                raise
+            except Exception:  # noqa: BLE001 - cannot tell: load (loading twice is only slower)
+                now = None
+            if now == int(version):
+                skipped.append(r.id)  # already serving this version: do not load it twice
+            else:
+                await r.client.update_weights(model_path, version)
+                loaded.append(r.id)
+            r.version = int(version)
             r.stale = False
 
         if self.kind == "vllm" and self._info.tied_lm_head:
             log.warning("vLLM update_weights(%r): %s", model_path, TIED_HEAD_WARNING)
-        down = await self._broadcast(f"update_weights({model_path!r}, v{version})", load)
+        if selected == []:
+            down: list[Replica] = []
+        else:
+            down = await self._broadcast(f"update_weights({model_path!r}, v{version})", load, selected)
         for r in down:
             r.stale = True
         self._model_path = model_path
         self._version = int(version)
+        return {"loaded": loaded, "skipped": skipped, "stale": [r.id for r in down]}
 
     async def health(self) -> dict[str, bool]:
         """Probe every replica now; returns and records ``{url: healthy}``."""
@@ -535,6 +666,27 @@ class EnginePool:
         r.stale = False
         log.info("engine replica %s caught up to v%d", r.url, self._version)
 
+    def _follow_engines(self, *, backwards: bool) -> bool:
+        """Adopt the weight version the usable replicas agree on (``backwards``: also when it is
+        lower than V, as at start-up, where the engines are the only truth). True if V changed."""
+        v = _agreed([r.version for r in self._replicas.values() if r.usable])
+        if v is None or v == self._version or (v < self._version and not backwards):
+            return False
+        log.info("the engines serve weight version %d: the pool's version follows (was %d)", v, self._version)
+        self._version = v
+        return True
+
+    async def _poll_versions(self) -> bool:
+        """Read every usable replica's weight version; follow the engines forward when they all
+        moved (weights published through another proxy without this one being told)."""
+        replicas = [r for r in self._replicas.values() if r.usable and r.reports_version]
+        if not replicas:
+            return False
+        await asyncio.gather(*(self._read_version(r) for r in replicas))
+        if self._paused:
+            return False
+        return self._follow_engines(backwards=False)
+
     async def _health_loop(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.health_interval_s)
@@ -543,8 +695,15 @@ class EnginePool:
                 for r in self._replicas.values():
                     if r.stale and r.healthy and not self._paused:
                         await self._resync(r)
+                if not self._paused:
+                    await self._poll_versions()
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("engine health check failed")
+
+
+def _agreed(versions: list[int | None]) -> int | None:
+    known = {v for v in versions if v is not None}
+    return known.pop() if len(known) == 1 else None
 
 
 def merge_info(infos: list[EngineInfo | None], urls: list[str]) -> EngineInfo:

@@ -1,16 +1,22 @@
-"""Consistent hashing of session ids onto engine replicas.
+"""Routing sessions onto engine replicas: consistent hashing (default) or load-aware sticky.
 
 A session's turns share a growing prefix, so keeping a session on one replica keeps its prefix
 cache warm. Virtual nodes spread sessions evenly; removing a replica moves only the sessions
 that lived on it (each goes to the next replica clockwise), and that same ring order is the
 failover order. The hash is blake2b, stable across processes and restarts (unlike ``hash()``).
+
+``StickyTable`` is the load-aware alternative (``splice serve --routing least-loaded``): a new
+session goes to the replica with the fewest in-flight calls, then stays there.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
-from typing import Iterable
+from collections import OrderedDict
+from typing import Callable, Iterable, Mapping
+
+ROUTING_POLICIES = ("hash", "least-loaded")
 
 
 def _hash(key: str) -> int:
@@ -72,3 +78,52 @@ class HashRing:
         if not order:
             raise LookupError("the hash ring has no replicas")
         return order[0]
+
+
+class StickyTable:
+    """Session -> replica assignments for the load-aware sticky policy (``--routing least-loaded``).
+
+    A session is placed once, on the usable replica with the fewest in-flight engine calls (ties
+    go to the session's hash-ring order, so placement is deterministic), and stays there while
+    that replica is usable. Only the most recent ``capacity`` sessions are remembered (least
+    recently used forgotten first); a forgotten session is simply placed again.
+    """
+
+    def __init__(self, capacity: int = 100_000):
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._table: "OrderedDict[str, str]" = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def get(self, session: str) -> str | None:
+        node = self._table.get(session)
+        if node is not None:
+            self._table.move_to_end(session)
+        return node
+
+    def assign(self, session: str, node: str) -> None:
+        self._table[session] = node
+        self._table.move_to_end(session)
+        while len(self._table) > self.capacity:
+            self._table.popitem(last=False)
+
+    def forget_node(self, node: str) -> None:
+        for s in [s for s, n in self._table.items() if n == node]:
+            del self._table[s]
+
+    def place(self, session: str, ring_order: list[str], load: Mapping[str, int], usable: Callable[[str], bool]) -> list[str]:
+        """Every replica once, in the order to try them for ``session``: its sticky replica first
+        when usable, else a new placement (least loaded usable replica, ring order breaking ties),
+        which is remembered; the rest in ring order (the failover order)."""
+        current = self.get(session)
+        if current is None or current not in ring_order or not usable(current):
+            candidates = [n for n in ring_order if usable(n)]
+            if not candidates:
+                return list(ring_order)
+            rank = {n: i for i, n in enumerate(ring_order)}
+            current = min(candidates, key=lambda n: (load.get(n, 0), rank[n]))
+            self.assign(session, current)
+        return [current] + [n for n in ring_order if n != current]

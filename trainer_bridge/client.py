@@ -1,8 +1,10 @@
 """HTTP client for the proxy's trainer side: pull/ack samples and the weight-update protocol.
 
 This is the trainer's only link to the proxy (docs/design.md sections 1 and 7). One client can drive
-several proxies: samples are pulled from all of them and the admin calls (pause, update
-weights, version, resume) are broadcast to every one.
+several proxies (a fleet, docs/fleet.md): samples are pulled from all of them, round-robin, groups
+whole; ``publish`` runs the fleet weight-update protocol (``trainer_bridge.publish``). A proxy URL
+of the form ``dns://NAME:PORT`` stands for every address the name resolves to (a Kubernetes
+headless Service), resolved when the client is made.
 
 Transient trouble (connection errors, 429, 5xx) is retried with exponential backoff, honouring
 ``Retry-After``. Anything else the proxy reports comes back as :class:`ProxyError`, carrying
@@ -12,7 +14,9 @@ the message of the proxy's OpenAI-shaped error body.
 from __future__ import annotations
 
 import email.utils
+import socket
 import time
+import urllib.parse
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +37,34 @@ class ProxyError(RuntimeError):
         self.type = type
         self.code = code
         self.url = url
+
+
+def resolve_dns(name_port: str, *, scheme: str = "http") -> list[str]:
+    """``NAME:PORT`` -> ``["http://ADDR:PORT", ...]``, one per distinct address record, sorted."""
+    name, sep, port = name_port.rpartition(":")
+    if not sep or not name or not port.isdigit():
+        raise ValueError(f"expected NAME:PORT, got {name_port!r}")
+    infos = socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
+    addrs = sorted({info[4][0] for info in infos})
+    return [f"{scheme}://{'[' + a + ']' if ':' in a else a}:{port}" for a in addrs]
+
+
+def resolve_proxies(urls: str | Sequence[str]) -> list[str]:
+    """Proxy URLs with every ``dns://NAME:PORT`` (or ``dns+https://NAME:PORT``) expanded to the
+    addresses the name resolves to; duplicates dropped, order kept."""
+    out: list[str] = []
+    for url in [urls] if isinstance(urls, str) else list(urls):
+        url = str(url).strip()
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme in ("dns", "dns+http", "dns+https"):
+            scheme = "https" if parts.scheme == "dns+https" else "http"
+            found = resolve_dns(parts.netloc, scheme=scheme)
+            if not found:
+                raise ValueError(f"{url}: the name has no address records")
+            out.extend(found)
+        else:
+            out.append(url.rstrip("/"))
+    return list(dict.fromkeys(out))
 
 
 def _retry_after_s(response: httpx.Response) -> float | None:
@@ -82,7 +114,7 @@ class ProxyClient:
         max_backoff_s: float = 30.0,
         transport: httpx.BaseTransport | None = None,
     ):
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        self.urls = resolve_proxies(urls)
         if not self.urls:
             raise ValueError("at least one proxy URL is required")
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
@@ -127,6 +159,10 @@ class ProxyClient:
                 raise _error_from(response)
             return response.json() if response.content else {}
         raise AssertionError("unreachable")
+
+    def admin(self, index: int, path: str, body: dict[str, Any] | None = None) -> Any:
+        """``POST path`` on one proxy (by index into ``urls``)."""
+        return self._request(index, "POST", path, {} if body is None else body)
 
     def _broadcast(self, method: str, path: str, body: dict[str, Any] | None = None) -> list[Any]:
         return [self._request(i, method, path, body) for i in range(len(self.urls))]
@@ -214,13 +250,11 @@ class ProxyClient:
         """The policy version the proxies serve (the highest, if they disagree)."""
         return max(int(s.get("version", 0)) for s in self.statuses())
 
-    def publish(self, model_path: str, version: int) -> None:
-        """The weight-update protocol: pause -> update_weights -> resume, on every proxy.
+    def publish(self, model_path: str, version: int, **kw: Any) -> Any:
+        """The fleet weight-update protocol (``trainer_bridge.publish``): every proxy pauses, each
+        distinct engine loads ``model_path`` once, every proxy learns ``version``, every proxy
+        resumes. A failure at any step resumes every proxy and raises ``PublishError`` (a
+        ``ProxyError`` carrying the failed proxy's message). Returns the ``PublishReport``."""
+        from .publish import publish
 
-        Engines are resumed even if loading fails, so agents are never left hanging.
-        """
-        self.pause()
-        try:
-            self.update_weights(model_path, version)
-        finally:
-            self.resume()
+        return publish(self.urls, model_path, version, client=self, **kw)

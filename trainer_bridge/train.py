@@ -10,7 +10,8 @@ One training step:
    micro-batches, normalized by the minibatch's total loss-token count (a global token mean,
    however the tokens are split over micro-batches and ranks);
 4. rank 0 saves ``<out>/step_{k}`` (safetensors + tokenizer files), publishes it as version
-   ``v + 1`` (pause -> update_weights -> resume on every proxy), then acks the leases.
+   ``v + 1`` (the fleet publish protocol, ``trainer_bridge.publish``: every proxy pauses, each
+   engine loads once, every proxy learns the version, every proxy resumes), then acks the leases.
 
 Run it as ``splice train ...``, or under ``torchrun --nproc_per_node N -m trainer_bridge.train``
 for data-parallel training. ``train(config, client=...)`` accepts any object with the

@@ -118,6 +118,8 @@ class Worker:
         self.token_delay_s = float(token_delay_s)
         self.weight_version = str(weight_version)
         self.model_path = lm.model_dir
+        self.weight_loads = 0  # successful weight loads since start (a debug counter: /model_info)
+        self.weight_load_versions: list[str | None] = []  # the version named by each load, in order
         self._seeds = random.Random(seed)
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()
@@ -291,6 +293,8 @@ class Worker:
         self.model_path = str(path)
         if version is not None:
             self.weight_version = str(version)
+        self.weight_loads += 1
+        self.weight_load_versions.append(None if version is None else str(version))
         fut.set_result((True, "Succeeded to update model weights."))
 
     # ---- jobs ------------------------------------------------------------------------------

@@ -329,6 +329,9 @@ def make_router(state: EngineState) -> APIRouter:
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": state.worker.weight_version,
+                # debug: how many times weights were loaded, and the version each load named
+                "weight_loads": state.worker.weight_loads,
+                "weight_load_versions": list(state.worker.weight_load_versions),
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": getattr(cfg, "model_type", None),
@@ -345,6 +348,7 @@ def make_router(state: EngineState) -> APIRouter:
                 "model_path": state.worker.model_path,
                 "served_model_name": state.served_model_name,
                 "weight_version": state.worker.weight_version,
+                "weight_loads": state.worker.weight_loads,
                 "context_length": state.lm.context_len,
                 "script_mode": state.script_mode,
                 "script_counter": state.worker.script.counter if state.worker.script is not None else None,

@@ -6,17 +6,30 @@ import asyncio
 import logging
 
 from fastapi import APIRouter, Request
+from pydantic import Field
 
 from engines.types import EngineError
 
-from ..errors import from_engine_error
+from ..errors import bad_request, from_engine_error
 from ..metrics import Metrics
 from ..session import RecomputeScheduler
 from ..store import Store
-from .jsonio import JSONResponse, read_model
+from .jsonio import JSONResponse, body_schema, read_model
 from .models import UpdateWeightsBody, VersionBody
 
 log = logging.getLogger("splice.admin")
+
+
+class FleetUpdateWeightsBody(UpdateWeightsBody):
+    # Fleet publish (docs/fleet.md): load only on these engines (ids from /admin/status
+    # ``engines.engine_replicas``); the other proxies sharing them only learn the version.
+    engines: list[str] | None = Field(default=None, max_length=4096)
+
+
+class FleetVersionBody(VersionBody):
+    # where the weights of ``version`` live on the engines: what a replica that comes back
+    # stale is brought up to
+    model_path: str | None = Field(default=None, max_length=4096)
 
 
 async def _engine(coro):
@@ -39,20 +52,27 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
         await _engine(pool.pause())
         return JSONResponse({"paused": True, "version": pool.version, "recomputed_tokens": owed})
 
-    @r.post("/admin/update_weights")
+    @r.post("/admin/update_weights", openapi_extra=body_schema(FleetUpdateWeightsBody))
     async def update_weights(request: Request):
-        body = await read_model(request, UpdateWeightsBody)
+        body = await read_model(request, FleetUpdateWeightsBody)
         # model_path is a path on the engine's filesystem: passed through, the engine decides.
-        await _engine(pool.update_weights(body.model_path, body.version))
+        kw = {} if body.engines is None else {"engines": body.engines}
+        try:
+            report = await _engine(pool.update_weights(body.model_path, body.version, **kw))
+        except ValueError as exc:  # an engine id this proxy does not have
+            raise bad_request(str(exc), param="engines") from exc
         metrics.version.set(pool.version)
         if not pool.paused:
             recompute.soon()
-        return JSONResponse({"success": True, "version": pool.version})
+        return JSONResponse({"success": True, "version": pool.version, **(report or {})})
 
-    @r.post("/admin/version")
+    @r.post("/admin/version", openapi_extra=body_schema(FleetVersionBody))
     async def set_version(request: Request):
-        body = await read_model(request, VersionBody)
-        pool.set_version(body.version)
+        body = await read_model(request, FleetVersionBody)
+        if body.model_path:
+            pool.set_version(body.version, model_path=body.model_path)
+        else:
+            pool.set_version(body.version)
         metrics.version.set(body.version)
         if not pool.paused:
             recompute.soon()

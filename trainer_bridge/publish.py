@@ -1,0 +1,316 @@
+"""Publishing new weights to a Splice fleet: many proxies sharing engines (docs/fleet.md).
+
+The protocol, for any trainer (``splice publish`` runs it from the command line)::
+
+    1. status   GET  /admin/status          on every proxy: its engines (stable ids) and health
+    2. pause    POST /admin/pause           on every proxy: owed recomputes (R2), then pause
+    3. load     POST /admin/update_weights  {"model_path", "version", "engines": [ids]} on ONE
+                                            proxy per distinct engine: each engine loads once
+    4. version  POST /admin/version         {"version", "model_path"} on every other proxy
+    5. resume   POST /admin/resume          on every proxy
+
+Every proxy learns the version (3 or 4) before any proxy resumes (5), so no proxy sends a
+request under weights it has not been told about; and tokens are stamped with the version the
+engine reports, so even a proxy outside the protocol records exact versions. Each step runs on
+all proxies concurrently. A failure at any step resumes every proxy (none is left paused) and
+raises :class:`PublishError` naming the step, the proxy and, for a load, the engines. Re-running
+with the same version is safe: an engine that already reports the version is not loaded again.
+
+Talks to the proxies over HTTP only (``trainer_bridge`` never imports the proxy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .client import ProxyClient, ProxyError, resolve_proxies
+
+
+@dataclass
+class PublishReport:
+    """What a publish did. ``loaders``: engine id -> the proxy that loaded it."""
+
+    version: int
+    model_path: str
+    proxies: list[str]
+    engines: list[str] = field(default_factory=list)  # distinct engine ids across the fleet
+    loaders: dict[str, str] = field(default_factory=dict)
+    loaded: list[str] = field(default_factory=list)  # engines that loaded the weights now
+    skipped: list[str] = field(default_factory=list)  # engines already serving the version
+    stale: list[str] = field(default_factory=list)  # unreachable engines, brought up to date when back
+    recomputed_tokens: int = 0
+    timings_s: dict[str, float] = field(default_factory=dict)
+    ok: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class PublishError(ProxyError):
+    """A publish step failed; every proxy was resumed. ``step`` is one of status, pause, load,
+    version, resume; ``proxy`` the proxy that failed, ``engines`` the engines it was loading;
+    ``status`` / ``code`` those of the proxy's error reply, when it sent one."""
+
+    def __init__(self, step: str, proxy: str, message: str, report: PublishReport, *, engines: Sequence[str] = (), cause: BaseException | None = None):
+        where = f" on engine(s) {', '.join(engines)}" if engines else ""
+        super().__init__(f"publish v{report.version}: {step} failed at proxy {proxy}{where}: {message}")
+        if isinstance(cause, ProxyError):
+            self.status, self.type, self.code = cause.status, cause.type, cause.code
+        self.url = proxy
+        self.step = step
+        self.proxy = proxy
+        self.engines = list(engines)
+        self.report = report
+        self.cause = cause
+        report.error = str(self)
+
+
+def engine_replicas(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """A proxy's engines from its ``/admin/status``: ``[{"id", "healthy", ...}]``.
+
+    Uses ``engines.engine_replicas`` (ids); a proxy that predates it is described by its replica
+    URLs (scheme and host lower-cased, no trailing slash), which is the same identity."""
+    eng = status.get("engines") or {}
+    reps = eng.get("engine_replicas")
+    if isinstance(reps, list):
+        return [r for r in reps if isinstance(r, dict) and r.get("id")]
+    out = []
+    for r in eng.get("replicas") or []:
+        if isinstance(r, dict) and r.get("url"):
+            out.append({**r, "id": _normalize(str(r["url"]))})
+    return out
+
+
+def _normalize(url: str) -> str:
+    parts = urllib.parse.urlsplit(url.strip().rstrip("/"))
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    return urllib.parse.urlunsplit((parts.scheme.lower(), f"{userinfo}{at}{hostport.lower()}", parts.path.rstrip("/"), parts.query, ""))
+
+
+def plan_loads(statuses: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, int]]:
+    """(distinct engine ids in first-seen order, engine id -> index of the proxy that loads it).
+
+    Each engine goes to a proxy that sees it healthy (else to any proxy that has it), spreading
+    engines over proxies so loads run in parallel through different proxies."""
+    engines: list[str] = []
+    holders: dict[str, list[tuple[int, bool]]] = {}
+    for i, st in enumerate(statuses):
+        for rep in engine_replicas(st):
+            eid = str(rep["id"])
+            if eid not in holders:
+                engines.append(eid)
+                holders[eid] = []
+            holders[eid].append((i, bool(rep.get("healthy", True)) and not rep.get("stale", False)))
+    assigned: dict[str, int] = {}
+    count: dict[int, int] = {}
+    for eid in engines:
+        good = [i for i, ok in holders[eid] if ok] or [i for i, _ in holders[eid]]
+        pick = min(good, key=lambda i: (count.get(i, 0), i))
+        assigned[eid] = pick
+        count[pick] = count.get(pick, 0) + 1
+    return engines, assigned
+
+
+def _parallel(fn: Callable[[int], Any], indices: Sequence[int]) -> list[tuple[int, Any, BaseException | None]]:
+    if not indices:
+        return []
+    if len(indices) == 1:
+        i = indices[0]
+        try:
+            return [(i, fn(i), None)]
+        except Exception as exc:  # noqa: BLE001
+            return [(i, None, exc)]
+    with ThreadPoolExecutor(max_workers=min(32, len(indices))) as ex:
+        futs = [(i, ex.submit(fn, i)) for i in indices]
+        out = []
+        for i, f in futs:
+            try:
+                out.append((i, f.result(), None))
+            except Exception as exc:  # noqa: BLE001
+                out.append((i, None, exc))
+        return out
+
+
+def _message(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, ProxyError) and exc.message else str(exc)
+
+
+def publish(
+    proxies: str | Sequence[str],
+    model_path: str,
+    version: int,
+    admin_token: str | None = None,
+    *,
+    client: ProxyClient | None = None,
+    timeout_s: float = 600.0,
+    before_resume: Callable[[str], None] | None = None,
+) -> PublishReport:
+    """Run the fleet weight-update protocol (module docstring); returns a :class:`PublishReport`.
+
+    ``proxies``: base URLs, or ``dns://NAME:PORT`` entries resolved to every address of the name.
+    ``model_path`` is a path on the engines' filesystem, passed through untouched. Raises
+    :class:`PublishError` (every proxy resumed) when a step fails. ``before_resume(url)`` runs
+    just before each proxy's resume (a hook for tests and staged rollouts).
+    """
+    own = client is None
+    if client is None:
+        client = ProxyClient(proxies, admin_token=admin_token, timeout_s=timeout_s, max_retries=2, backoff_s=0.2)
+    try:
+        return _publish(client, str(model_path), int(version), before_resume)
+    finally:
+        if own:
+            client.close()
+
+
+def _publish(client: ProxyClient, model_path: str, version: int, before_resume: Callable[[str], None] | None) -> PublishReport:
+    urls = list(client.urls)
+    every = list(range(len(urls)))
+    report = PublishReport(version=version, model_path=model_path, proxies=urls)
+    t_start = time.perf_counter()
+    clock = t_start
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        report.timings_s[name] = round(now - clock, 4)
+        clock = now
+
+    def fail_first(step: str, results, engines_of: Callable[[int], Sequence[str]] = lambda i: ()) -> None:
+        bad = [(i, exc) for i, _, exc in results if exc is not None]
+        if bad:
+            i, exc = bad[0]
+            others = "; ".join(f"{urls[j]}: {_message(e)}" for j, e in bad[1:])
+            msg = _message(exc) + (f" (also failed: {others})" if others else "")
+            raise PublishError(step, urls[i], msg, report, engines=engines_of(i), cause=exc)
+
+    # 1. what each proxy's engines are (nothing is paused yet). One proxy needs no plan: it loads
+    #    all of its engines. A proxy whose status does not list its engines does the same.
+    groups: dict[int, list[str] | None] = {}
+    if len(urls) == 1:
+        groups[0] = None
+    else:
+        results = _parallel(lambda i: client.status(i), every)
+        fail_first("status", results)
+        statuses = [res if isinstance(res, dict) else {} for _, res, _ in results]
+        engines, assigned = plan_loads(statuses)
+        report.engines = engines
+        report.loaders = {e: urls[i] for e, i in assigned.items()}
+        for eid, i in assigned.items():
+            groups.setdefault(i, []).append(eid)  # type: ignore[union-attr]
+        for i, st in enumerate(statuses):
+            if not engine_replicas(st):
+                groups[i] = None
+    lap("status")
+
+    try:
+        # 2. every proxy runs its owed recomputes and pauses its engines
+        results = _parallel(lambda i: client.admin(i, "/admin/pause"), every)
+        report.recomputed_tokens = sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
+        fail_first("pause", results)
+        lap("pause")
+
+        # 3. each distinct engine loads the weights once, through one proxy
+        def load(i: int) -> dict[str, Any]:
+            body: dict[str, Any] = {"model_path": model_path, "version": version}
+            if groups[i] is not None:
+                body["engines"] = groups[i]
+            return client.admin(i, "/admin/update_weights", body)
+
+        results = _parallel(load, sorted(groups))
+        for _, res, exc in results:
+            if exc is None and isinstance(res, dict):
+                report.loaded += list(res.get("loaded") or [])
+                report.skipped += list(res.get("skipped") or [])
+                report.stale += list(res.get("stale") or [])
+        fail_first("load", results, engines_of=lambda i: groups.get(i) or [])
+        lap("load")
+
+        # 4. every other proxy learns the version (before any proxy resumes)
+        rest = [i for i in every if i not in groups]
+        results = _parallel(lambda i: client.admin(i, "/admin/version", {"version": version, "model_path": model_path}), rest)
+        fail_first("version", results)
+        lap("version")
+    except BaseException:
+        _resume_all(client, urls, every, None)  # none is left paused; the original error wins
+        raise
+
+    # 5. every proxy resumes
+    bad = _resume_all(client, urls, every, before_resume)
+    lap("resume")
+    report.timings_s["total"] = round(time.perf_counter() - t_start, 4)
+    if bad:
+        i, exc = bad[0]
+        raise PublishError("resume", urls[i], _message(exc), report, cause=exc)
+    report.ok = True
+    return report
+
+
+def _resume_all(client: ProxyClient, urls: list[str], every: list[int], before: Callable[[str], None] | None) -> list[tuple[int, BaseException]]:
+    def resume(i: int) -> Any:
+        if before is not None:
+            before(urls[i])
+        return client.admin(i, "/admin/resume")
+
+    return [(i, exc) for i, _, exc in _parallel(resume, every) if exc is not None]
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="splice publish",
+        description="Publish weights to a Splice fleet: pause every proxy, load each engine once, "
+        "tell every proxy the version, resume every proxy.",
+    )
+    ap.add_argument("--proxy", action="append", default=[], metavar="URL", help="proxy base URL (repeatable)")
+    ap.add_argument("--proxy-dns", action="append", default=[], metavar="NAME:PORT",
+                    help="a DNS name whose address records are the proxies (repeatable), e.g. a headless Service")
+    ap.add_argument("--model-path", required=True, help="the weights, as a path on the engines' filesystem")
+    ap.add_argument("--version", required=True, type=int, help="the policy version these weights are")
+    ap.add_argument("--admin-token", default=None, help="bearer token of the proxies' admin API (default: $SPLICE_ADMIN_TOKEN)")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = ap.parse_args(argv)
+    import os
+
+    token = a.admin_token or os.environ.get("SPLICE_ADMIN_TOKEN") or None
+    try:
+        proxies = resolve_proxies(list(a.proxy) + [f"dns://{d}" for d in a.proxy_dns])
+    except (OSError, ValueError) as exc:
+        print(f"splice publish: cannot resolve the proxies: {exc}", file=sys.stderr)
+        return 2
+    if not proxies:
+        print("splice publish: give at least one --proxy URL or --proxy-dns NAME:PORT", file=sys.stderr)
+        return 2
+    try:
+        report = publish(proxies, a.model_path, a.version, token, timeout_s=a.timeout_s)
+    except PublishError as exc:
+        if a.json:
+            print(json.dumps(exc.report.to_dict(), indent=2))
+        print(f"splice publish: {exc} (every proxy was resumed)", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        t = report.timings_s
+        print(
+            f"published v{report.version} to {len(report.proxies)} proxies: {len(report.engines)} engine(s), "
+            f"loaded {len(report.loaded)}, already at v{report.version} {len(report.skipped)}, unreachable {len(report.stale)} "
+            f"| {t.get('total', 0):.2f}s (pause {t.get('pause', 0):.2f}s, load {t.get('load', 0):.2f}s, "
+            f"resume {t.get('resume', 0):.2f}s)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
