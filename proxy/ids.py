@@ -9,9 +9,14 @@ an item back (a ``previous_response_id``, a replayed ``function_call`` item, a C
 ``msg_{turn}``         output message item
 ``rs_{turn}``          reasoning item
 ``fc_{turn}_{k}``      function_call item ``k`` (its ``call_id`` is ``call_{turn}_{k}``)
-``call_{turn}_{k}``    tool call id (both APIs)
+``call_{turn}_{k}``    tool call id (Responses and Chat Completions)
+``ctc_{turn}_{k}``     custom_tool_call item ``k`` (a freeform tool; its ``call_id`` is ``call_{turn}_{k}``)
+``toolu_{turn}_{k}``   Anthropic ``tool_use`` block id
 ``chatcmpl-{turn}``    Chat Completions response
 =====================  ==============================
+
+An Anthropic message is ``msg_{turn}`` and its thinking blocks are signed with the bare turn
+id, so a replayed history names its turn even when it has no tool calls.
 
 A turn id is 24 lowercase hex digits.
 """
@@ -24,7 +29,7 @@ import secrets
 TURN_ID_LEN = 24
 
 _TURN = r"[0-9a-f]{24}"
-_ID_RE = re.compile(rf"^(?:(?:resp|msg|rs)_({_TURN})|(?:fc|call)_({_TURN})_\d+|chatcmpl-({_TURN})|({_TURN}))$")
+_ID_RE = re.compile(rf"^(?:(?:resp|msg|rs)_({_TURN})|(?:fc|call|ctc|toolu)_({_TURN})_\d+|chatcmpl-({_TURN})|({_TURN}))$")
 
 
 def new_turn_id() -> str:
@@ -50,6 +55,14 @@ def function_call_item_id(turn_id: str, k: int) -> str:
 
 def call_id(turn_id: str, k: int) -> str:
     return f"call_{turn_id}_{k}"
+
+
+def custom_call_item_id(turn_id: str, k: int) -> str:
+    return f"ctc_{turn_id}_{k}"
+
+
+def tool_use_id(turn_id: str, k: int) -> str:
+    return f"toolu_{turn_id}_{k}"
 
 
 def chat_completion_id(turn_id: str) -> str:

@@ -1,18 +1,55 @@
 """From a validated request to the session layer's ``TurnRequest``: session and group fields
-(headers first, then ``metadata``), the Splice id that names the previous turn, the turn id."""
+(headers first, then ``metadata``, then the conversation id a known client sends on its own),
+the Splice id that names the previous turn, the turn id."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+import orjson
 
 from ..errors import bad_request
 from ..ids import new_turn_id, turn_id_from
 from ..session.turn import TurnRequest
 
 
-def session_fields(headers, metadata: dict[str, Any] | None) -> tuple[str | None, str | None, int | None]:
+# Conversation ids known clients send without being asked: Codex (``session-id``, older
+# versions ``session_id`` / ``conversation_id``), Claude Code (``X-Claude-Code-Session-Id``).
+CLIENT_SESSION_HEADERS = ("session-id", "session_id", "conversation_id", "conversation-id", "x-claude-code-session-id")
+_CLAUDE_USER_SESSION = re.compile(r"_session_([0-9a-fA-F-]{8,64})$")
+
+
+def client_session(headers, metadata: dict[str, Any] | None = None) -> str | None:
+    """The conversation id a known client sends on its own, used when no session is named.
+
+    Codex sends its thread id as a ``session-id`` header; Claude Code sends
+    ``X-Claude-Code-Session-Id`` and puts the same id in ``metadata.user_id`` (a JSON object
+    with ``session_id`` in current versions, ``user_..._session_<uuid>`` in older ones).
+    """
+    for h in CLIENT_SESSION_HEADERS:
+        v = headers.get(h) if headers is not None else None
+        if v and len(v) <= 256:
+            return v.strip()
+    user = (metadata or {}).get("user_id")
+    if isinstance(user, str) and user:
+        if user.startswith("{"):
+            try:
+                sid = orjson.loads(user).get("session_id")
+            except (orjson.JSONDecodeError, AttributeError):
+                sid = None
+            if isinstance(sid, str) and 0 < len(sid) <= 256:
+                return sid
+        m = _CLAUDE_USER_SESSION.search(user)
+        if m:
+            return m.group(1)
+    return None
+
+
+def session_fields(headers, metadata: dict[str, Any] | None, fallback: str | None = None) -> tuple[str | None, str | None, int | None]:
     """``(session_id, group_id, group_size)`` from ``X-Session-Id`` / ``X-Group-Id`` /
-    ``X-Group-Size`` headers, else ``metadata.session_id`` / ``group_id`` / ``group_size``."""
+    ``X-Group-Size`` headers, else ``metadata.session_id`` / ``group_id`` / ``group_size``;
+    the session falls back to ``fallback`` (a known client's own conversation id)."""
     meta = metadata or {}
 
     def pick(header: str, key: str) -> Any:
@@ -37,6 +74,8 @@ def session_fields(headers, metadata: dict[str, Any] | None) -> tuple[str | None
             raise bad_request(f"{name} must be a string", code="invalid_value", param=name)
         if v is not None and len(str(v)) > 256:
             raise bad_request(f"{name} is longer than 256 characters", code="invalid_value", param=name)
+    if sid in (None, "") and fallback:
+        sid = fallback
     return (str(sid) if sid not in (None, "") else None, str(gid) if gid not in (None, "") else None, size)
 
 
@@ -49,12 +88,16 @@ def parent_hint(candidates: list[str]) -> str | None:
     return None
 
 
-def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[str], stop: list[str], max_output_tokens: int | None, present=None) -> TurnRequest:
-    """The session layer's request, from either front end's validated body.
+def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[str], stop: list[str], max_output_tokens: int | None,
+                 present=None, not_offered: list[str] | None = None, controls: dict[str, Any] | None = None,
+                 metadata: dict[str, Any] | None = None) -> TurnRequest:  # fmt: skip
+    """The session layer's request, from any front end's validated body.
 
     The turn id is chosen up front so streamed item ids are final from the first event.
+    ``controls`` are what the request set that Splice records but does not enforce.
     """
-    session_id, group_id, group_size = session_fields(headers, req.metadata)
+    meta = req.metadata if metadata is None else metadata
+    session_id, group_id, group_size = session_fields(headers, meta, client_session(headers, meta))
     return TurnRequest(
         api=api,
         messages=messages,
@@ -69,7 +112,9 @@ def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[
         top_p=req.top_p,
         stop=stop,
         chat_template_kwargs=req.chat_template_kwargs,
-        metadata=dict(req.metadata or {}),
+        metadata=dict(meta or {}),
         turn_id=new_turn_id(),
         present=present,
+        tools_not_offered=list(not_offered or ()),
+        controls_not_enforced={k: v for k, v in (controls or {}).items() if v is not None},
     )

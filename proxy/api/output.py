@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenization import ChatFormat
 
-from ..session.turn import TurnResult
+from ..session.turn import TurnRequest, TurnResult
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,9 @@ def token_logprobs(fmt: ChatFormat, result: TurnResult) -> list[dict[str, Any]]:
     ]
 
 
-def splice_info(result: TurnResult) -> dict[str, Any]:
-    """The ``splice`` extension block of every response."""
+def splice_info(result: TurnResult, req: TurnRequest | None = None) -> dict[str, Any]:
+    """The ``splice`` extension block of every response: where the turn landed, and what the
+    request sent that Splice did not act on (hosted tools not offered, controls not enforced)."""
     return {
         "session_id": result.session_id,
         "turn_id": result.turn_id,
@@ -56,6 +57,8 @@ def splice_info(result: TurnResult) -> dict[str, Any]:
         "fork_reason": result.fork_reason,
         "finish_reason": result.finish_reason,
         "malformed_tool_calls": len(result.parsed.malformed_calls),
+        "tools_not_offered": sorted(set(req.tools_not_offered)) if req is not None else [],
+        "controls_not_enforced": sorted(req.controls_not_enforced) if req is not None else [],
     }
 
 

@@ -23,6 +23,30 @@ log = logging.getLogger("splice.training")
 def training_router(store: Store, recompute: RecomputeScheduler, settings: Settings) -> APIRouter:
     r = APIRouter()
 
+    @r.get("/v1/sessions")
+    async def list_sessions(request: Request):
+        """Sessions oldest first: ``?group_id=&status=open|closed&since=<unix s>&limit=&cursor=``."""
+        q = request.query_params
+        status = q.get("status")
+        if status not in (None, "", "open", "closed", "all"):
+            raise APIError(400, f"status must be open, closed or all, got {status!r}", code="invalid_value", param="status")
+        try:
+            since = float(q["since"]) if q.get("since") else None
+            limit = int(q.get("limit") or 100)
+        except ValueError:
+            raise APIError(400, "since must be a number (unix seconds) and limit an integer", code="invalid_value") from None
+        if not 1 <= limit <= 1000:
+            raise APIError(400, "limit must be between 1 and 1000", code="invalid_value", param="limit")
+        closed = {"open": False, "closed": True}.get(status or "")
+        try:
+            page = await asyncio.to_thread(
+                store.sessions.list, group_id=q.get("group_id") or None, closed=closed, since=since,
+                cursor=q.get("cursor") or None, limit=limit,
+            )  # fmt: skip
+        except ValueError:
+            raise APIError(400, "cursor is not one this proxy issued", code="invalid_value", param="cursor") from None
+        return JSONResponse({"object": "list", "data": page.sessions, "has_more": page.next_cursor is not None, "next_cursor": page.next_cursor})
+
     @r.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str):
         session = store.sessions.get(session_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import orjson
@@ -13,6 +14,7 @@ from .errors import Conflict, NotFound
 from .records import SessionRecord
 
 COLUMNS = "session_id, group_id, group_size, reward, closed, created_at, metadata, rewarded_at, lease_id, acked"
+SUMMARY = "s.session_id, s.group_id, s.group_size, s.reward, s.closed, s.created_at, s.rewarded_at, s.lease_id, s.acked, s.rowid"
 
 
 def session_from_row(row) -> SessionRecord:
@@ -36,6 +38,43 @@ def read_session(conn, session_id: str) -> SessionRecord | None:
     return None if row is None else session_from_row(row)
 
 
+@dataclass(frozen=True)
+class SessionPage:
+    """One page of ``SessionTable.list``: summaries oldest first, and the cursor of the next page."""
+
+    sessions: list[dict]
+    next_cursor: str | None
+
+
+def _summary(row, turns: int) -> dict:
+    sid, gid, gsize, reward, closed, created, rewarded_at, lease_id, acked, _rowid = row
+    return {
+        "session_id": sid,
+        "group_id": gid,
+        "group_size": gsize,
+        "reward": reward,
+        "closed": bool(closed),
+        "created_at": created,
+        "rewarded_at": rewarded_at,
+        "leased": lease_id is not None,
+        "acked": bool(acked),
+        "turns": turns,
+    }
+
+
+def encode_cursor(created_at: float, rowid: int) -> str:
+    return f"{created_at!r}:{rowid}"
+
+
+def decode_cursor(cursor: str) -> tuple[float, int]:
+    """``ValueError`` for anything that is not a cursor this table issued."""
+    created, _, rowid = cursor.rpartition(":")
+    value = (float(created), int(rowid))
+    if not math.isfinite(value[0]):
+        raise ValueError("not a cursor")
+    return value
+
+
 class SessionTable:
     def __init__(self, db: Database, clock: Callable[[], float] = time.time):
         self.db = db
@@ -44,6 +83,45 @@ class SessionTable:
     def get(self, session_id: str) -> SessionRecord | None:
         with self.db.read() as c:
             return read_session(c, session_id)
+
+    def list(
+        self,
+        *,
+        group_id: str | None = None,
+        closed: bool | None = None,
+        since: float | None = None,
+        cursor: str | None = None,
+        limit: int = 100,
+    ) -> SessionPage:
+        """Sessions in creation order, filtered; one indexed query (``sessions_created``, or
+        ``sessions_group`` with a group), metadata never decoded. The turn count is a
+        correlated count on ``turns``' ``(session_id, idx)`` key."""
+        where, args = [], []
+        if group_id is not None:
+            where.append("s.group_id = ?")
+            args.append(group_id)
+        if closed is not None:
+            where.append("s.closed = ?")
+            args.append(1 if closed else 0)
+        if since is not None:
+            where.append("s.created_at >= ?")
+            args.append(float(since))
+        if cursor is not None:
+            created, rowid = decode_cursor(cursor)
+            where.append("(s.created_at, s.rowid) > (?, ?)")
+            args += [created, rowid]
+        sql = (
+            f"SELECT {SUMMARY}, (SELECT COUNT(*) FROM turns t WHERE t.session_id = s.session_id) FROM sessions s"
+            + (" WHERE " + " AND ".join(where) if where else "")
+            + " ORDER BY s.created_at, s.rowid LIMIT ?"
+        )
+        with self.db.read() as c:
+            rows = c.execute(sql, (*args, limit + 1)).fetchall()
+        more = len(rows) > limit
+        rows = rows[:limit]
+        out = [_summary(r[:-1], r[-1]) for r in rows]
+        nxt = encode_cursor(rows[-1][5], rows[-1][9]) if more and rows else None
+        return SessionPage(out, nxt)
 
     def upsert(
         self,

@@ -1,0 +1,393 @@
+"""Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+A third dialect over the same core and session layer: ``system`` (a string or text blocks) is a
+system message in front; a user message's ``tool_result`` blocks are tool messages (in order,
+then its text); an assistant message's ``thinking`` / ``text`` / ``tool_use`` blocks are ONE
+assistant turn (reasoning, content, tool calls). ``redacted_thinking`` carries nothing Splice
+can render and is dropped; ``cache_control`` is accepted and ignored.
+
+The reply is a ``message`` whose content is the turn's parse of the sampled ids: a ``thinking``
+block (signed with the turn id), a ``text`` block, ``tool_use`` blocks ``toolu_{turn}_{k}``.
+Errors on these routes are Anthropic-shaped (``{"type": "error", "error": {...}}``);
+streaming is ``messages_stream``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenization import ChatFormat
+from tokenization.conversation import Message, ToolCall
+
+from ..errors import APIError, bad_request
+from ..ids import message_id, tool_use_id
+from ..session import Presentation, TurnRequest, TurnResult, TurnRunner
+from .content import ToolSet, name_tool_messages, offer_tools, text_of
+from .context import turn_request
+from .jsonio import JSONResponse, dumps, parse_json_body, validate
+from .output import splice_headers, splice_info, usage_of
+from .streaming import TurnStream, run_turn, streaming_response
+
+# ============================================================================ errors
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); a saturated
+# proxy answers 529 ``overloaded_error`` as Anthropic does.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+_STATUS = {503: 529, 502: 500}
+
+
+def anthropic_error(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    """``(status, body)`` of an error in Anthropic's shape."""
+    status = _STATUS.get(status, status)
+    return status, {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    status, body = anthropic_error(exc.status, exc.message)
+    return JSONResponse(body, status_code=status, headers=exc.headers)
+
+
+def is_messages_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+# ============================================================================ request
+
+
+class MessagesRequest(BaseModel):
+    """``POST /v1/messages`` (unknown fields are kept and ignored, as Anthropic's beta fields come and go)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension, as on the other two APIs
+
+    def check_supported(self, *, counting: bool = False) -> None:
+        if not counting and self.max_tokens is None:
+            raise bad_request("max_tokens: Field required", param="max_tokens")
+        if not self.messages:
+            raise bad_request("messages: at least one message is required", param="messages")
+        if self.stop_sequences is not None and any(not isinstance(s, str) or not s for s in self.stop_sequences):
+            raise bad_request("stop_sequences: each stop sequence must be a non-empty string", param="stop_sequences")
+        if self.thinking is not None and self.thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise bad_request("thinking.type: expected 'enabled', 'disabled' or 'adaptive'", param="thinking.type")
+
+
+def _system_text(system: str | list[dict[str, Any]] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    parts = []
+    for i, block in enumerate(system):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise bad_request(f"system[{i}]: system blocks must be text blocks", param=f"system[{i}]")
+        parts.append(block["text"])
+    return "\n\n".join(parts)
+
+
+def _tool_result_text(block: dict[str, Any], where: str) -> str:
+    content = block.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of blocks", param=f"{where}.content")
+    return text_of(content, f"{where}.content", allow_refusal=False)
+
+
+def _assistant(content: Any, where: str, ids: list[str]) -> Message:
+    if isinstance(content, str):
+        return Message(role="assistant", content=content)
+    reasoning: list[str] = []
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for j, block in enumerate(content):
+        bw = f"{where}.content[{j}]"
+        typ = block.get("type")
+        if typ == "text":
+            texts.append(str(block.get("text") or ""))
+        elif typ == "thinking":
+            reasoning.append(str(block.get("thinking") or ""))
+            if isinstance(block.get("signature"), str):
+                ids.append(block["signature"])
+        elif typ == "redacted_thinking":
+            continue  # opaque data: nothing a template can render
+        elif typ in ("tool_use", "server_tool_use"):
+            tid, name, args = block.get("id"), block.get("name"), block.get("input", {})
+            if not isinstance(tid, str) or not tid or not isinstance(name, str) or not name:
+                raise bad_request(f"{bw} (tool_use) needs an 'id' and a 'name'", param=bw)
+            calls.append(ToolCall(id=tid, name=name, arguments=orjson.dumps(args).decode()))
+            ids.append(tid)
+        else:
+            raise bad_request(f"{bw} has type {typ!r}, which an assistant message cannot carry here", code="unsupported_content", param=bw)
+    return Message(role="assistant", content="".join(texts), reasoning="".join(reasoning) or None, tool_calls=tuple(calls))
+
+
+def _user(content: Any, where: str, ids: list[str]) -> list[Message]:
+    if isinstance(content, str):
+        return [Message(role="user", content=content)]
+    out: list[Message] = []
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        bw = f"{where}.content[{j}]"
+        typ = block.get("type")
+        if typ == "tool_result":
+            if texts:
+                out.append(Message(role="user", content="\n".join(texts)))
+                texts = []
+            tid = block.get("tool_use_id")
+            if not isinstance(tid, str) or not tid:
+                raise bad_request(f"{bw} (tool_result) needs a 'tool_use_id'", param=f"{bw}.tool_use_id")
+            ids.append(tid)
+            out.append(Message(role="tool", content=_tool_result_text(block, bw), tool_call_id=tid))
+        elif typ == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        else:
+            raise bad_request(
+                f"{bw} has type {typ!r}: Splice serves text-only models (text and tool_result blocks)",
+                code="unsupported_content", param=bw,
+            )  # fmt: skip
+    if texts or not out:
+        out.append(Message(role="user", content="\n".join(texts)))
+    return out
+
+
+def messages_to_conversation(system: Any, messages: list[dict[str, Any]]) -> tuple[list[Message], list[str]]:
+    """Anthropic messages -> ``Message``s; also the Splice-issued ids they carry, in order."""
+    out: list[Message] = []
+    ids: list[str] = []
+    sys_text = _system_text(system)
+    if sys_text:
+        out.append(Message(role="system", content=sys_text))
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object", param=where)
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(content, (str, list)) or (isinstance(content, list) and not all(isinstance(b, dict) for b in content)):
+            raise bad_request(f"{where}.content must be a string or a list of content blocks", param=f"{where}.content")
+        if role == "assistant":
+            out.append(_assistant(content, where, ids))
+        elif role == "user":
+            out.extend(_user(content, where, ids))
+        elif role == "system":  # Claude Code's mid-conversation system messages
+            out.append(Message(role="system", content=text_of(content, f"{where}.content")))
+        else:
+            raise bad_request(f"{where}.role: expected 'user' or 'assistant', got {role!r}", param=f"{where}.role")
+    return name_tool_messages(out), ids
+
+
+def check_tool_choice(tool_choice: dict[str, Any] | None, ts: ToolSet) -> None:
+    if tool_choice is None:
+        return
+    typ = tool_choice.get("type")
+    if typ not in ("auto", "any", "tool", "none"):
+        raise bad_request(f"tool_choice.type: expected auto, any, tool or none, got {typ!r}", param="tool_choice.type")
+    if typ == "tool" and tool_choice.get("name") not in {t.name for t in ts.tools}:
+        raise bad_request(f"tool_choice names tool {tool_choice.get('name')!r}, which is not in 'tools'", param="tool_choice.name")
+
+
+def messages_controls(req: MessagesRequest) -> dict[str, Any]:
+    """What the request asks that Splice records but does not enforce: forcing or forbidding
+    tool use and one call per turn need constrained decoding (``none`` would also change the
+    rendered tools, a fork); top_k and a thinking budget would change the sampling distribution;
+    whether the model thinks is the chat template's (``chat_template_kwargs`` sets it)."""
+    tc = req.tool_choice or {}
+    thinking = req.thinking if req.thinking and req.thinking.get("type") in ("enabled", "disabled") else None
+    return {
+        "tool_choice": tc if tc.get("type") in ("any", "tool", "none") else None,
+        "disable_parallel_tool_use": True if tc.get("disable_parallel_tool_use") else None,
+        "top_k": req.top_k,
+        "thinking": thinking,
+    }
+
+
+# ============================================================================ request -> turn
+
+
+@dataclass
+class MessagesContext:
+    req: MessagesRequest
+    turn: TurnRequest
+    fmt: ChatFormat
+    toolset: ToolSet
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def turn_id(self) -> str:
+        return self.turn.turn_id
+
+    @property
+    def model(self) -> str:
+        return self.turn.model
+
+    def present(self, result: TurnResult) -> Presentation:
+        body = message_body(self, result)
+        return Presentation(body=body, encoded=dumps(body))
+
+
+def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner) -> MessagesContext:
+    req: MessagesRequest = validate(MessagesRequest, body)
+    req.check_supported()
+    ts = offer_tools(req.tools)
+    check_tool_choice(req.tool_choice, ts)
+    messages, ids = messages_to_conversation(req.system, req.messages)
+    treq = turn_request(
+        "messages", req, headers, model=runner.model_name, messages=messages, tools=ts.tools, hints=ids,
+        stop=list(req.stop_sequences or []), max_output_tokens=req.max_tokens, not_offered=ts.not_offered,
+        controls=messages_controls(req),
+    )  # fmt: skip
+    ctx = MessagesContext(req=req, turn=treq, fmt=runner.fmt, toolset=ts)
+    treq.present = ctx.present
+    return ctx
+
+
+# ============================================================================ output
+
+
+def stop_reason_of(result: TurnResult) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)``."""
+    gen = result.generation
+    if result.finish_reason == "length":
+        return "max_tokens", None
+    if result.parsed.tool_calls:
+        return "tool_use", None
+    if isinstance(gen.matched_stop, str):
+        return "stop_sequence", gen.matched_stop
+    return "end_turn", None
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the ``input`` object Anthropic clients expect."""
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(turn_id: str, result: TurnResult) -> list[dict[str, Any]]:
+    p = result.parsed
+    out: list[dict[str, Any]] = []
+    if p.reasoning:
+        out.append({"type": "thinking", "thinking": p.reasoning, "signature": turn_id})
+    if p.content or not p.tool_calls:
+        out.append({"type": "text", "text": p.content})
+    for k, c in enumerate(p.tool_calls):
+        out.append({"type": "tool_use", "id": tool_use_id(turn_id, k), "name": c.name, "input": tool_input(c.arguments)})
+    return out
+
+
+def message_usage(ctx: MessagesContext, result: TurnResult) -> dict[str, Any]:
+    """Anthropic counts cache reads apart from ``input_tokens``."""
+    u = usage_of(ctx.fmt, result, ctx.turn.chat_template_kwargs)
+    cached = min(u.cached_tokens, u.prompt_tokens)
+    return {
+        "input_tokens": u.prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": u.output_tokens,
+    }
+
+
+def message_skeleton(ctx: MessagesContext) -> dict[str, Any]:
+    return {
+        "id": message_id(ctx.turn_id),
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": ctx.model,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0},
+    }
+
+
+def message_body(ctx: MessagesContext, result: TurnResult) -> dict[str, Any]:
+    stop_reason, stop_sequence = stop_reason_of(result)
+    body = message_skeleton(ctx)
+    body.update(
+        content=content_blocks(result.turn_id, result),
+        model=result.model or ctx.model,
+        stop_reason=stop_reason,
+        stop_sequence=stop_sequence,
+        usage=message_usage(ctx, result),
+        splice=splice_info(result, ctx.turn),
+    )
+    return body
+
+
+# ============================================================================ count_tokens
+
+
+def count_tokens(body: dict[str, Any], runner: TurnRunner) -> dict[str, int]:
+    """The prompt a first turn of this conversation would have: the chat template's full render."""
+    req: MessagesRequest = validate(MessagesRequest, body)
+    req.check_supported(counting=True)
+    ts = offer_tools(req.tools)
+    messages, _ = messages_to_conversation(req.system, req.messages)
+    try:
+        ids = runner.fmt.render(messages, ts.tools, template_kwargs=req.chat_template_kwargs)
+    except Exception as exc:  # noqa: BLE001 - any template failure is the conversation's fault
+        raise APIError(400, f"the chat template cannot render this conversation: {exc}", code="invalid_messages") from None
+    return {"input_tokens": len(ids)}
+
+
+# ============================================================================ router
+
+
+def messages_router(runner: TurnRunner) -> APIRouter:
+    """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``; errors in Anthropic's shape."""
+    from .messages_stream import stream_message
+
+    router = APIRouter()
+
+    @router.post("/v1/messages")
+    async def post_message(request: Request):
+        try:
+            ctx = build_messages_context(parse_json_body(await request.body()), request.headers, runner)
+            if not ctx.req.stream:
+                result = await run_turn(runner, ctx.turn)
+                return JSONResponse(result.encoded, headers=splice_headers(result))
+            stream = TurnStream(runner, ctx.turn)
+            await stream.start()  # errors before the first token are plain HTTP errors
+        except APIError as exc:
+            return error_response(exc)
+        return streaming_response(stream_message(ctx, stream), headers=stream.headers())
+
+    @router.post("/v1/messages/count_tokens")
+    async def post_count_tokens(request: Request):
+        try:
+            return JSONResponse(count_tokens(parse_json_body(await request.body()), runner))
+        except APIError as exc:
+            return error_response(exc)
+
+    return router
