@@ -6,6 +6,10 @@ Mapping (what the pool's failover relies on):
 - any httpx timeout                            -> ``EngineTimeout``
 - HTTP 5xx, or a body that is not JSON          -> ``EngineBadResponse``
 - HTTP 4xx                                      -> ``EngineRejected`` (never retried)
+- no complete reply within the call's deadline  -> ``EngineTimeout``
+
+Every call has a *total* deadline (``deadline``), not only httpx's per-read timeout: an engine
+that drips a byte a second would otherwise never time out.
 
 Engines can emit ``-Infinity``/``NaN`` in JSON (Python's encoder does); those bodies are
 decoded leniently and every non-finite or null logprob is mapped to ``NEG_INF_LOGPROB``.
@@ -13,8 +17,10 @@ decoded leniently and every non-finite or null logprob is mapped to ``NEG_INF_LO
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import os
 import urllib.parse
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -58,6 +64,33 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+@asynccontextmanager
+async def deadline(total_s: float, replica: str, path: str = "") -> AsyncIterator[None]:
+    """The whole body of the ``async with`` must finish within ``total_s`` seconds, else
+    ``EngineTimeout`` (the work inside is cancelled, which closes its connection)."""
+    try:
+        async with asyncio.timeout(total_s):
+            yield
+    except TimeoutError:
+        raise EngineTimeout(f"{replica}{path}: no complete reply within {total_s:g} s", replica=replica) from None
+
+
+def split_credentials(url: str) -> tuple[str, httpx.BasicAuth | httpx.USE_CLIENT_DEFAULT]:
+    """``(url without user:password@, basic auth)``: requests carry the credentials in a header,
+    so the URL httpx logs ("HTTP Request: POST http://...") never contains them."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return url, httpx.USE_CLIENT_DEFAULT
+    if "@" not in parts.netloc:
+        return url, httpx.USE_CLIENT_DEFAULT
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    bare = urllib.parse.urlunsplit((parts.scheme, hostport, parts.path, parts.query, parts.fragment))
+    auth = httpx.BasicAuth(urllib.parse.unquote(user), urllib.parse.unquote(password))
+    return bare, auth
+
+
 def _timeout(total_s: float) -> httpx.Timeout:
     """``total_s`` for reads/writes, but a short connect timeout so dead replicas fail fast."""
     return httpx.Timeout(total_s, connect=min(total_s, CONNECT_TIMEOUT_S))
@@ -71,6 +104,42 @@ def clean_logprob(value: Any) -> float:
     if math.isnan(x) or x < NEG_INF_LOGPROB:
         return NEG_INF_LOGPROB
     return x
+
+
+def vocab_bound(tokenizer) -> int:
+    """How many token ids the served model can sample: the tokenizer's ids, or the model's
+    (padded) embedding rows when its ``config.json`` sits next to the tokenizer; ids in between
+    decode to nothing but are the model's own."""
+    n = len(tokenizer)
+    path = getattr(tokenizer, "name_or_path", None)
+    if path and os.path.isfile(os.path.join(str(path), "config.json")):
+        try:
+            with open(os.path.join(str(path), "config.json"), "rb") as f:
+                cfg = orjson.loads(f.read())
+            v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+            if isinstance(v, int) and not isinstance(v, bool) and v > n:
+                return v
+        except (OSError, ValueError, AttributeError):
+            pass
+    return n
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None, replica: str = "") -> None:
+    """Raise ``EngineBadResponse`` unless every id is a token of the tokenizer (``0 <= id < vocab_size``).
+
+    An id outside the vocabulary cannot be decoded, stored (int32) or trained on: the engine
+    and the proxy disagree about the model, which is the engine's error to report (502)."""
+    if not ids or not vocab_size:
+        return
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise EngineBadResponse(
+            f"{replica or 'engine'}: sampled token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}); "
+            "is the engine serving the model the proxy's tokenizer belongs to?",
+            replica=replica,
+            retryable=False,
+        )
 
 
 def map_transport_error(exc: httpx.HTTPError, replica: str) -> EngineError:
@@ -115,10 +184,11 @@ class Http:
 
     def __init__(self, client: httpx.AsyncClient, base_url: str):
         self.client = client
-        # Requests go to the URL as given (httpx turns ``user:pass@`` into basic auth); every
-        # message, error and status shows ``url``, where the password is redacted.
-        self._base = base_url.rstrip("/")
-        self.url = redact_url(self._base)
+        # ``user:pass@`` in the URL becomes a basic-auth header on every request, and requests go
+        # to the URL without it (httpx logs request URLs); every message, error and status shows
+        # ``url``, where the password is redacted.
+        self._base, self._auth = split_credentials(base_url.rstrip("/"))
+        self.url = redact_url(base_url.rstrip("/"))
 
     async def request(
         self,
@@ -136,9 +206,10 @@ class Http:
         if content is not None:
             headers["content-type"] = "application/json"
         try:
-            resp = await self.client.request(
-                method, self._base + path, content=content, headers=headers, timeout=_timeout(timeout)
-            )
+            async with deadline(timeout, self.url, path):
+                resp = await self.client.request(
+                    method, self._base + path, content=content, headers=headers, timeout=_timeout(timeout), auth=self._auth
+                )
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, self.url) from exc
         if resp.status_code >= 300:
@@ -154,7 +225,7 @@ class Http:
         POST-only route answers 405 where the route exists and 404 where it does not.
         """
         try:
-            resp = await self.client.request(method, self._base + path, timeout=_timeout(timeout))
+            resp = await self.client.request(method, self._base + path, timeout=_timeout(timeout), auth=self._auth)
         except httpx.HTTPError:
             return None
         return resp.status_code
@@ -172,7 +243,7 @@ class Http:
             timeout=_timeout(timeout),
         )
         try:
-            resp = await self.client.send(req, stream=True)
+            resp = await self.client.send(req, stream=True, auth=self._auth)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, self.url) from exc
         try:

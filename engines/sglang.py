@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from engines.client import TokensCallback, model_card, positive_int, prefill_values
-from engines.http import Http, clean_logprob, expect_dict
+from engines.http import Http, clean_logprob, deadline, expect_dict
 from engines.resume import parse_version
 from engines.types import (
     EngineBadResponse,
@@ -190,7 +190,8 @@ class SGLangClient:
             if on_tokens is None:
                 body = await self.http.request("POST", "/generate", body=payload, timeout=self.timeout_s, headers=headers)
                 return parse_response(body, input_ids, start, self.url)
-            return await self._stream(payload, input_ids, start, on_tokens, headers)
+            async with deadline(self.timeout_s, self.url, "/generate"):  # total, not per read
+                return await self._stream(payload, input_ids, start, on_tokens, headers)
         except (EngineUnavailable, EngineRejected):
             raise  # the request is not running on the engine
         except BaseException:

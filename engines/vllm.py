@@ -31,8 +31,9 @@ import logging
 import os
 
 from engines.client import TokensCallback, config_ties_head, model_card, positive_int, prefill_values
-from engines.http import Http, clean_logprob, expect_dict
+from engines.http import Http, clean_logprob, deadline, expect_dict
 from engines.resume import parse_version
+from engines.sglang import ROUTING_HEADER, routing_value
 from engines.types import (
     EngineBadResponse,
     EngineError,
@@ -179,16 +180,20 @@ class VLLMClient:
         on_tokens: TokensCallback | None = None,
         routing_key: str | None = None,
     ) -> Segment:
-        """One completion call. ``rid`` and ``routing_key`` are unused: closing the connection
-        aborts a request on vLLM, and vLLM has no router convention to honour."""
+        """One completion call. ``rid`` is unused (closing the connection aborts a request on
+        vLLM); ``routing_key`` goes out as ``X-SMG-Routing-Key`` for a router (smg) in front."""
         echo = input_logprobs_from is not None
         payload = completion_payload(input_ids, params, model=self.model, echo=echo, stream=on_tokens is not None)
+        headers = {ROUTING_HEADER: routing_value(routing_key)} if routing_key else None
         if on_tokens is None:
-            body = await self.http.request("POST", _PATH, body=payload, timeout=self.timeout_s)
+            body = await self.http.request("POST", _PATH, body=payload, timeout=self.timeout_s, headers=headers)
             return parse_completion(body, input_ids, echo=echo, replica=self.url)
-        return await self._stream(payload, input_ids, echo, on_tokens)
+        async with deadline(self.timeout_s, self.url, _PATH):  # total, not per read
+            return await self._stream(payload, input_ids, echo, on_tokens, headers)
 
-    async def _stream(self, payload: dict, input_ids: list[int], echo: bool, on_tokens: TokensCallback) -> Segment:
+    async def _stream(
+        self, payload: dict, input_ids: list[int], echo: bool, on_tokens: TokensCallback, headers: dict[str, str] | None = None
+    ) -> Segment:
         """Collect OpenAI completion chunks; with echo the first chunk carries the prompt first."""
         tokens: list[str] = []
         values: list[Any] = []
@@ -199,7 +204,7 @@ class VLLMClient:
         usage: dict | None = None
         skip = len(input_ids) if echo else 0
         emitted = 0
-        async with self.http.stream(_PATH, payload, timeout=self.timeout_s) as resp:
+        async with self.http.stream(_PATH, payload, timeout=self.timeout_s, headers=headers) as resp:
             async for chunk in self.http.sse(resp, _PATH):
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
@@ -237,7 +242,7 @@ class VLLMClient:
         """A prompt-logprobs call: ``max_tokens: 1``, ``echo: true``; the sampled token is dropped."""
         if not 1 <= start <= len(input_ids):
             raise ValueError(f"prefill start must be in [1, {len(input_ids)}], got {start}")
-        seg = await self.generate(input_ids, SamplingParams(max_new_tokens=1), rid="", input_logprobs_from=start)
+        seg = await self.generate(input_ids, SamplingParams(max_new_tokens=1), rid="", input_logprobs_from=start, routing_key=routing_key)
         return prefill_values(seg, input_ids, start, self.url), None
 
     async def _dev(self, method: str, path: str, body: dict | None = None, *, timeout: float | None = None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 _TYPES = {
@@ -9,10 +10,12 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    499: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "server_error",
@@ -55,7 +58,23 @@ def not_found(message: str, *, code: str = "not_found") -> APIError:
     return APIError(404, message, code=code)
 
 
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*):[^/@\s]*@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every ``scheme://user:password@host`` replaced by ``***``.
+
+    A backstop for messages that reach clients or logs: engine URLs are redacted where they are
+    formatted (``engines.http.redact_url``); this catches any that an exception carries."""
+    return _USERINFO.sub(r"\g<scheme>\g<user>:***@", text) if "@" in text else text
+
+
 def from_engine_error(exc) -> APIError:
     """An ``engines.types.EngineError`` as the API error agents and admins see (one mapping)."""
     headers = {"Retry-After": "1"} if exc.status_code in (429, 502, 503, 504) else None
-    return APIError(exc.status_code, f"inference engine error: {exc}", code=exc.code, headers=headers)
+    return APIError(exc.status_code, redact(f"inference engine error: {exc}"), code=exc.code, headers=headers)
+
+
+def internal_error(exc: BaseException) -> APIError:
+    """Anything unexpected, as a 500 in the API's shape (no traceback, no secrets)."""
+    return APIError(500, redact(f"internal error: {type(exc).__name__}: {exc}")[:500], code="internal_error")

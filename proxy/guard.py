@@ -1,14 +1,31 @@
 """Per-request checks and request metrics as a plain ASGI middleware (no per-request task or
-body re-streaming, unlike ``BaseHTTPMiddleware``): auth, body size, saturation."""
+body re-streaming, unlike ``BaseHTTPMiddleware``): auth, body size, admission, and the last
+line of defence against anything unexpected.
+
+- Body size: ``Content-Length`` above ``max_request_bytes`` is refused up front (413), and the
+  bytes actually read are counted too, so a chunked upload without a length cannot exceed it.
+- Admission: at most ``max_inflight`` turns (agent POSTs) run at once; a request beyond that
+  waits up to ``admission_wait_s`` for a slot (FIFO), then gets 429 with ``Retry-After``.
+  Visible in ``/metrics`` (``splice_admission_*``).
+- An exception that escapes the app becomes a 500 in the API's error shape (when the response
+  has not started) and never reaches the server, which would reset the keep-alive connection.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections import deque
 
 import orjson
 
 from . import auth
-from .errors import APIError
+from .errors import APIError, internal_error
+
+log = logging.getLogger("splice.guard")
+
+TURN_ROUTES = ("responses", "chat", "messages")
 
 
 def route_label(path: str) -> str:
@@ -16,6 +33,8 @@ def route_label(path: str) -> str:
         return "responses"
     if path.startswith("/v1/chat/completions"):
         return "chat"
+    if path.startswith("/v1/messages"):
+        return "messages"
     if path.startswith("/v1/sessions"):
         return "sessions"
     if path.startswith("/v1/trajectories"):
@@ -27,11 +46,68 @@ def route_label(path: str) -> str:
     return "other"
 
 
+class Admission:
+    """A FIFO counting gate with a bounded wait: ``acquire()`` is True once admitted."""
+
+    def __init__(self, limit: int, wait_s: float, metrics=None):
+        self.limit = max(1, int(limit))
+        self.wait_s = max(0.0, float(wait_s))
+        self.active = 0
+        self._waiters: deque[asyncio.Future] = deque()
+        self.metrics = metrics
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.admission_active.set(self.active)
+            self.metrics.admission_waiting.set(len(self._waiters))
+
+    async def acquire(self) -> bool:
+        if self.active < self.limit and not self._waiters:
+            self.active += 1
+            self._gauges()
+            return True
+        if self.wait_s <= 0:
+            return False
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._gauges()
+        try:
+            await asyncio.wait_for(fut, self.wait_s)
+            return True  # the releasing request handed its slot over
+        except asyncio.TimeoutError:
+            return False
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # admitted and gone at once: pass the slot on
+            raise
+        finally:
+            try:
+                self._waiters.remove(fut)
+            except ValueError:
+                pass
+            self._gauges()
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot moves to the oldest waiter; active is unchanged
+                self._gauges()
+                return
+        self.active -= 1
+        self._gauges()
+
+
+class BodyTooLarge(APIError):
+    pass
+
+
 class Guard:
     def __init__(self, app, *, settings, metrics):
         self.app = app
         self.settings = settings
         self.metrics = metrics
+        self.admission = Admission(settings.max_inflight, settings.admission_wait_s, metrics)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -41,46 +117,96 @@ class Guard:
         m = self.metrics
         t0 = time.perf_counter()
         try:
-            self._check(scope, path, route)
+            self._check(scope, path)
         except APIError as exc:
-            m.errors.labels(route, exc.code or str(exc.status)).inc()
-            m.requests.labels(route, str(exc.status)).inc()
-            return await _send_error(send, exc)
+            return await self._refuse(send, route, exc)
+        admitted = False
+        if route in TURN_ROUTES and scope["method"] == "POST":
+            admitted = await self.admission.acquire()
+            if not admitted:
+                m.admission_rejected.inc()
+                exc = APIError(
+                    429, f"Splice is at its limit of {self.admission.limit} turns in flight; retry shortly",
+                    code="saturated", headers={"Retry-After": self._retry_after()},
+                )  # fmt: skip
+                return await self._refuse(send, route, exc)
         status = 500
+        started = False
 
         async def send_status(message):
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
                 status = message["status"]
+                started = True
             await send(message)
 
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, self._limited(receive), send_status)
+        except Exception as exc:  # noqa: BLE001 - the last line: never let the server see it
+            if not isinstance(exc, APIError):
+                log.exception("unhandled error on %s %s", scope["method"], path)
+            if not started:
+                await _send_error(send_status, exc if isinstance(exc, APIError) else internal_error(exc))
         finally:
+            if admitted:
+                self.admission.release()
             m.requests.labels(route, str(status)).inc()
             if status >= 400:
                 m.errors.labels(route, str(status)).inc()
             m.request_seconds.labels(route).observe(time.perf_counter() - t0)
 
-    def _check(self, scope, path: str, route: str) -> None:
+    def _retry_after(self) -> str:
+        return str(max(1, round(self.admission.wait_s or 1)))
+
+    async def _refuse(self, send, route: str, exc: APIError) -> None:
+        m = self.metrics
+        m.errors.labels(route, exc.code or str(exc.status)).inc()
+        m.requests.labels(route, str(exc.status)).inc()
+        await _send_error(send, exc, anthropic=route == "messages")
+
+    def _limited(self, receive):
+        """``receive`` that counts body bytes and raises 413 past the limit (chunked uploads)."""
+        limit = self.settings.max_request_bytes
+        seen = 0
+
+        async def receive_limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(413, f"request body is larger than {limit} bytes", code="request_too_large")
+            return message
+
+        return receive_limited
+
+    def _check(self, scope, path: str) -> None:
         s = self.settings
         authorization = None
+        x_api_key = None
         length = None
         for k, v in scope["headers"]:
             if k == b"authorization":
                 authorization = v.decode("latin-1")
+            elif k == b"x-api-key":
+                x_api_key = v.decode("latin-1")
             elif k == b"content-length":
                 length = v
-        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token)
-        if length is not None and length.isdigit() and int(length) > s.max_request_bytes:
+        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token, x_api_key=x_api_key)
+        if length is not None and (not length.isdigit() or int(length) > s.max_request_bytes):
+            if not length.isdigit():
+                raise APIError(400, "invalid Content-Length header", code="invalid_request")
             raise APIError(413, f"request body is larger than {s.max_request_bytes} bytes", code="request_too_large")
-        if route in ("responses", "chat") and scope["method"] == "POST" and self.metrics.inflight._value.get() >= s.max_inflight:
-            raise APIError(429, "too many turns in flight; retry shortly", code="saturated", headers={"Retry-After": "1"})
 
 
-async def _send_error(send, exc: APIError) -> None:
-    body = orjson.dumps(exc.body())
+async def _send_error(send, exc: APIError, *, anthropic: bool = False) -> None:
+    status, payload = exc.status, exc.body()
+    if anthropic:  # the Messages API's routes answer in Anthropic's error shape
+        from .api.messages import anthropic_error
+
+        status, payload = anthropic_error(exc.status, exc.message)
+    body = orjson.dumps(payload)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

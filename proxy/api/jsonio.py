@@ -1,4 +1,9 @@
-"""JSON in and out for every route: orjson both ways, pydantic errors as OpenAI-shaped 400s."""
+"""JSON in and out for every route: orjson both ways, pydantic errors as OpenAI-shaped 400s.
+
+Every request body is checked before any work: valid JSON, an object, nested at most
+``MAX_DEPTH`` levels (orjson reads 1,024 levels but writes only 255, and everything a client
+sends may be echoed, stored or logged), and then validated by the route's model.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,24 @@ class JSONResponse(Response):
         return content if isinstance(content, bytes) else dumps(content)
 
 
+MAX_DEPTH = 64  # nesting levels of a request body (orjson writes at most 255)
+
+
+def check_depth(data: Any, limit: int = MAX_DEPTH) -> None:
+    """400 when ``data`` nests containers more than ``limit`` levels deep.
+
+    Iterative and visits containers only (strings and numbers are never descended into)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise bad_request(f"request body is nested more than {limit} levels deep", code="invalid_value")
+        children = node.values() if isinstance(node, dict) else node
+        for child in children:
+            if isinstance(child, (dict, list)) and child:
+                stack.append((child, depth + 1))
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
@@ -33,7 +56,45 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    # Cheap pre-check: a body with few brackets cannot be deep (count runs at C speed).
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+        check_depth(data)
     return data
+
+
+def build(fn, *args: Any) -> Any:
+    """Run a dialect's request conversion; a wrong type anywhere in the body is a 400, not a 500.
+
+    The conversions check what they know; a value of a type nobody expected (a list where a
+    string belongs, ...) surfaces as one of these exceptions before any work was done."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        raise bad_request(f"invalid request body: unexpected value ({type(exc).__name__}: {exc})"[:300], code="invalid_value") from None
+
+
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema with its ``$defs`` inlined (request models are not recursive), so it
+    can sit anywhere in an OpenAPI document."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(defs[ref.rsplit("/", 1)[1]])
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting a route's JSON request body (routes read raw bodies)."""
+    schema = _inline_refs(model.model_json_schema())
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def _loc(loc: tuple) -> str:

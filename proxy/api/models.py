@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import bad_request
 
+# Every integer a client sends is bounded: they reach SQLite (int64), orjson (64-bit) and the
+# engines (int32 token budgets); a version or budget this large is always a mistake.
+MAX_INT32 = 2**31 - 1
+
 
 class _OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True)
@@ -29,7 +33,7 @@ class ResponsesRequest(_OpenAIModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     previous_response_id: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -46,7 +50,7 @@ class ResponsesRequest(_OpenAIModel):
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
-    max_tool_calls: int | None = None
+    max_tool_calls: int | None = Field(default=None, ge=0, le=MAX_INT32)
     service_tier: str | None = None
     # extensions (vLLM / SGLang style)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -82,8 +86,8 @@ class ChatCompletionRequest(_OpenAIModel):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -91,10 +95,10 @@ class ChatCompletionRequest(_OpenAIModel):
     stream_options: StreamOptions | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    n: int | None = Field(default=1, ge=1)
+    n: int | None = Field(default=1, ge=1, le=128)
     metadata: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     user: str | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
@@ -140,7 +144,9 @@ class _Body(BaseModel):
 
 
 class RewardBody(_Body):
-    reward: float = Field(allow_inf_nan=False)  # NaN or inf would poison every advantage in its group
+    # A JSON number only (strict: "1.5" and true are refused); NaN or inf would poison every
+    # advantage in its group.
+    reward: float = Field(allow_inf_nan=False, strict=True)
 
 
 class PullBody(_Body):
@@ -149,13 +155,13 @@ class PullBody(_Body):
 
 
 class AckBody(_Body):
-    lease_id: str
+    lease_id: str = Field(max_length=256)
 
 
 class UpdateWeightsBody(_Body):
-    model_path: str
-    version: int = Field(ge=0)
+    model_path: str = Field(max_length=4096)
+    version: int = Field(ge=0, le=MAX_INT32, strict=True)
 
 
 class VersionBody(_Body):
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_INT32, strict=True)

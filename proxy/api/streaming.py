@@ -5,6 +5,12 @@ and the mapping of failures to API errors.
 as the engine produces them. It does not start the HTTP response until the first ids arrive
 (or the turn ends), so a request that fails before generating anything — bad input, a prompt
 that does not fit — gets an ordinary JSON error with the right status instead of a stream.
+
+Delivery (docs/design.md section 11): the session layer commits a turn before its final body
+or event is sent. A turn counts as delivered once that body / event was handed to the
+transport. A client that goes away earlier cancels the turn: while it generates, the turn's
+task is cancelled (the engine request is aborted, the session lock released, nothing is
+committed); if it was already committed, it is marked abandoned and never trained on.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from engines.http import check_token_ids
 from engines.types import EngineError
 
-from ..errors import APIError, from_engine_error
+from ..errors import APIError, from_engine_error, internal_error
 from ..session.turn import TurnRequest, TurnResult
 from .jsonio import dumps
 
@@ -37,8 +44,45 @@ def sse_data(data: dict[str, Any]) -> bytes:
     return b"data: " + dumps(data) + b"\n\n"
 
 
-def streaming_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+def streaming_response(
+    body: AsyncIterator[bytes], headers: dict[str, str] | None = None, turn: "TurnStream | None" = None
+) -> StreamingResponse:
+    """An SSE response. With ``turn``, a stream that ends before its last frame was handed to the
+    transport (the client went away) abandons the turn."""
+    headers = {**SSE_HEADERS, **(headers or {})}
+    if turn is None:
+        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    return TurnStreamingResponse(body, turn, headers)
+
+
+class TurnStreamingResponse(StreamingResponse):
+    """Knows whether its last frame was sent: the body iterator is resumed after its last
+    ``yield`` only once the server has sent that frame."""
+
+    def __init__(self, body: AsyncIterator[bytes], turn: "TurnStream", headers: dict[str, str]):
+        self.turn = turn
+        self.delivered = False
+        self._inner = body
+        super().__init__(self._track(body), media_type="text/event-stream", headers=headers)
+
+    async def _track(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in body:
+            yield chunk
+        self.delivered = True
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.delivered:
+                self.turn.abandon()
+                for gen in (self.body_iterator, self._inner):  # finalize now, not when collected
+                    aclose = getattr(gen, "aclose", None)
+                    if aclose is not None:
+                        try:
+                            await aclose()
+                        except BaseException:  # noqa: BLE001 - closing a finished or cancelled stream
+                            pass
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -47,15 +91,72 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineError):
         return from_engine_error(exc)
-    log.exception("turn failed", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+    log.error("turn failed", exc_info=exc)
+    return internal_error(exc)
 
 
-async def run_turn(runner, req: TurnRequest) -> TurnResult:
-    """Run a turn without streaming; every failure becomes an ``APIError``."""
+class ClientGone(APIError):
+    """The client disconnected before the turn's answer could be sent (answered with a 499
+    nobody reads; counted in the request metrics)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the request before the answer was sent", code="client_closed_request")
+
+
+async def _disconnected(request) -> None:
+    """Returns once the client has disconnected (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def watch_client(request, task: asyncio.Task):
+    """``await task`` while watching the client: if it disconnects first, cancel the task and
+    raise ``ClientGone``. Without a request (unit tests), just await the task."""
+    if request is None:
+        return await task
+    watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        return await runner.run(req)
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        if not watcher.done():
+            watcher.cancel()
+    if watcher.done() and not watcher.cancelled() and watcher.exception() is None:
+        if not task.done():
+            task.cancel()
+        raise ClientGone()
+    return task.result()
+
+
+def _abandon_if_committed(runner, task: asyncio.Task) -> None:
+    """Once ``task`` is over: a turn it committed was never delivered; mark it abandoned."""
+
+    def done(t: asyncio.Task) -> None:
+        if t.cancelled() or t.exception() is not None:
+            return  # nothing was committed
+        abandon = getattr(runner, "abandon", None)
+        if abandon is not None:
+            abandon(t.result())
+
+    task.add_done_callback(done)
+
+
+async def run_turn(runner, req: TurnRequest, request=None) -> TurnResult:
+    """Run a turn without streaming; every failure becomes an ``APIError``. With ``request``, a
+    client that disconnects cancels the turn (``ClientGone``; see the module docstring)."""
+    task = asyncio.ensure_future(runner.run(req))
+    try:
+        return await watch_client(request, task)
+    except ClientGone:
+        _abandon_if_committed(runner, task)
+        raise
+    except asyncio.CancelledError:
+        task.cancel()
+        _abandon_if_committed(runner, task)
         raise
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from exc
@@ -69,21 +170,31 @@ class TurnStream:
 
     def __init__(self, runner, req: TurnRequest):
         self.req = req
+        self.runner = runner
+        self._vocab = getattr(runner, "vocab_size", None)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._first: list[int] | object | None = None
+        self._abandoned = False
         self.task: asyncio.Task = asyncio.create_task(runner.run(req, on_tokens=self._on_tokens))
         self.task.add_done_callback(lambda _t: self._queue.put_nowait(_END))
 
     async def _on_tokens(self, ids: list[int], _logprobs: list[float]) -> None:
         if ids:
+            check_token_ids(ids, self._vocab)  # before any decoder sees them: a 502, not a crash
             self._queue.put_nowait(list(ids))
 
-    async def start(self) -> None:
-        """Wait for the first ids or the end of the turn; raise ``APIError`` if it failed first."""
+    async def start(self, request=None) -> None:
+        """Wait for the first ids or the end of the turn; raise ``APIError`` if it failed first.
+        With ``request``, a client that disconnects meanwhile cancels the turn (``ClientGone``)."""
+        first = asyncio.ensure_future(self._queue.get())
         try:
-            self._first = await self._queue.get()
+            self._first = await watch_client(request, first)
+        except ClientGone:
+            self.abandon()
+            raise
         except asyncio.CancelledError:
-            self.cancel()
+            first.cancel()
+            self.abandon()
             raise
         if self._first is _END:
             self._first = None
@@ -120,3 +231,12 @@ class TurnStream:
     def cancel(self) -> None:
         if not self.task.done():
             self.task.cancel()
+
+    def abandon(self) -> None:
+        """The client went away before the final event was sent: stop the turn, and if it was
+        committed anyway, mark it abandoned (once)."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        self.cancel()
+        _abandon_if_committed(self.runner, self.task)
