@@ -1,0 +1,173 @@
+"""The real Codex CLI and Claude Code CLI, with their default tools, against ``splice serve``
+(embedded reference engine in script mode emitting a call of each CLI's shell tool): the CLI
+runs the command, gets the answer, resumes the conversation, and every later turn is spliced.
+
+The npm packages are installed on first use under ``.cache/agent-clis`` (gitignored); without
+npm or the registry the tests skip. The model is the tiny reference model with a 64k context
+(both CLIs send a ~10k-token system prompt and tool list). Each test takes ~20-40 s.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import ROOT, start_proxy
+
+pytestmark = pytest.mark.slow
+
+CACHE = ROOT / ".cache" / "agent-clis"
+PACKAGES = {"codex": "@openai/codex@0.169.0", "claude": "@anthropic-ai/claude-code@2.1.330"}
+
+
+def cli(name: str) -> str:
+    """Path of the CLI's binary, installing the pinned npm package on first use."""
+    exe = CACHE / "node_modules" / ".bin" / name
+    if exe.exists():
+        return str(exe)
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is not installed")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(CACHE), PACKAGES[name]],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    if r.returncode != 0 or not exe.exists():
+        pytest.skip(f"cannot install {PACKAGES[name]}: {r.stderr[-500:]}")
+    return str(exe)
+
+
+@pytest.fixture(scope="module")
+def model_64k(tmp_path_factory):
+    from engines.reference.model_init import init_model
+
+    return str(init_model(tmp_path_factory.mktemp("model") / "tiny64k", max_position_embeddings=65536))
+
+
+def _turns(proxy, session: str, headers=None) -> list[dict]:
+    r = proxy.get(f"/v1/sessions/{session}", headers=headers or {})
+    assert r.status_code == 200, r.text
+    return r.json()["turns"]
+
+
+def _all_spliced(turns: list[dict]) -> None:
+    assert turns[0]["fork_reason"] is None
+    for prev, cur in zip(turns, turns[1:]):
+        assert cur["spliced"], cur["fork_reason"]
+        full = prev["prompt_ids"] + prev["output_ids"]
+        assert cur["prompt_ids"][: len(full)] == full
+
+
+def _bridge_text(model_dir: str, turns: list[dict]) -> str:
+    """The text of the tokens turn 1 added after turn 0's prompt and output (the tool result)."""
+    from tokenization.loader import load_tokenizer
+
+    full = turns[0]["prompt_ids"] + turns[0]["output_ids"]
+    return load_tokenizer(model_dir).decode(turns[1]["prompt_ids"][len(full) :])
+
+
+def _run(args: list[str], cwd: Path, env: dict) -> str:
+    r = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    return out
+
+
+CODEX_SCRIPT = [
+    "<think>\nI should run the command.\n</think>\n\n"
+    '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "echo splice-ok"}}\n</tool_call><|im_end|>',
+    "<think>\nThe command printed splice-ok.\n</think>\n\nThe command printed: splice-ok<|im_end|>",
+    "Resumed: still splice-ok.<|im_end|>",
+]
+
+CODEX_CONFIG = """model = "splice-model"
+model_provider = "splice"
+approval_policy = "never"
+sandbox_mode = "danger-full-access"
+
+[model_providers.splice]
+name = "Splice"
+base_url = "{url}/v1"
+wire_api = "responses"
+env_http_headers = {{ "X-Session-Id" = "SPLICE_SESSION", "X-Group-Id" = "SPLICE_GROUP" }}
+"""
+
+
+def test_codex_cli_default_tools(tmp_path, model_64k):
+    codex = cli("codex")
+    proxy = start_proxy(tmp_path, model_64k, script=CODEX_SCRIPT)
+    try:
+        home, work = tmp_path / "codex-home", tmp_path / "work"
+        home.mkdir()
+        work.mkdir()
+        (home / "config.toml").write_text(CODEX_CONFIG.format(url=proxy.url))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "SPLICE_", "CODEX_"))}
+        env["CODEX_HOME"] = str(home)
+        ask = [codex, "exec", "--skip-git-repo-check"]
+
+        # zero config: no session header; Codex's own thread id names the session
+        out = _run(ask + ["Run echo splice-ok and tell me what it printed."], work, env)
+        assert "splice-ok\n" in out and "The command printed: splice-ok" in out
+        thread = re.search(r"session id: ([0-9a-f-]{36})", out).group(1)
+        out = _run(ask + ["resume", "--last", "Again?"], work, env)
+        assert "Resumed: still splice-ok." in out
+        turns = _turns(proxy, thread)
+        assert len(turns) == 3
+        _all_spliced(turns)
+        assert turns[0]["requested_sampling"]["tools_not_offered"] == ["web_search"]
+        assert "splice-ok" in _bridge_text(model_64k, turns)  # the command's output, spliced after the call
+
+        # the README recipe: per-episode session and group headers from the environment
+        out = _run(ask + ["Run echo splice-ok and tell me what it printed."], work, {**env, "SPLICE_SESSION": "ep-7", "SPLICE_GROUP": "g-7"})
+        assert "The command printed: splice-ok" in out
+        turns = _turns(proxy, "ep-7")
+        assert len(turns) == 2
+        _all_spliced(turns)
+        assert proxy.get("/v1/sessions?group_id=g-7").json()["data"][0]["session_id"] == "ep-7"
+    finally:
+        proxy.stop()
+        _stop_engine(proxy)
+
+
+CLAUDE_SCRIPT = [
+    "<think>\nI should run the command.\n</think>\n\n"
+    '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo splice-ok", "description": "Print splice-ok"}}\n</tool_call><|im_end|>',
+    "<think>\nIt printed splice-ok.\n</think>\n\nThe command printed: splice-ok<|im_end|>",
+    "Resumed: still splice-ok.<|im_end|>",
+]
+
+
+def test_claude_code_cli(tmp_path, model_64k):
+    claude = cli("claude")
+    key = "sk-splice-cc"
+    proxy = start_proxy(tmp_path, model_64k, script=CLAUDE_SCRIPT, extra=["--api-key", key])
+    try:
+        home, work = tmp_path / "home", tmp_path / "work"
+        home.mkdir()
+        work.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_", "SPLICE_"))}
+        env.update(
+            HOME=str(home), ANTHROPIC_BASE_URL=proxy.url, ANTHROPIC_API_KEY=key,
+            ANTHROPIC_CUSTOM_HEADERS="X-Session-Id: cc-ep-1\nX-Group-Id: g-cc",
+        )  # fmt: skip
+        out = _run([claude, "-p", "Run echo splice-ok and tell me what it printed.", "--allowedTools", "Bash"], work, env)
+        assert "The command printed: splice-ok" in out
+        out = _run([claude, "-p", "Again?", "--continue"], work, env)
+        assert "Resumed: still splice-ok." in out
+        turns = _turns(proxy, "cc-ep-1", {"Authorization": f"Bearer {key}"})
+        assert len(turns) == 3
+        _all_spliced(turns)
+        assert "splice-ok" in _bridge_text(model_64k, turns)  # the tool really ran; its output was spliced in
+    finally:
+        proxy.stop()
+        _stop_engine(proxy)
+
+
+def _stop_engine(proxy) -> None:
+    from tests.e2e.conftest import kill_tree
+
+    kill_tree(proxy)
