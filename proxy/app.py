@@ -16,6 +16,7 @@ from tokenization import ChatFormat
 from .api.admin import admin_router
 from .api.chat import chat_router
 from .api.jsonio import JSONResponse
+from .api.messages import messages_router
 from .api.responses import responses_router
 from .api.training import training_router
 from .errors import APIError, error_body
@@ -36,7 +37,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     store = store or Store(settings.store)
     sampling = SamplingPolicy(
         mode=settings.sampling, temperature=settings.temperature, max_context=settings.max_context,
-        default_max_tokens=settings.default_max_tokens,
+        default_max_tokens=settings.max_output_tokens,
     )  # fmt: skip
     drift = DriftChecker(fmt, store, metrics, settings.drift_check)
     runner = TurnRunner(fmt, pool, store, metrics, sampling=sampling, drift=drift, model_name=settings.model_name)
@@ -64,6 +65,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
 
     app.include_router(responses_router(runner, store.responses))
     app.include_router(chat_router(runner))
+    app.include_router(messages_router(runner))
     app.include_router(training_router(store, recompute, settings))
     app.include_router(admin_router(store, pool, recompute, metrics))
 

@@ -15,6 +15,7 @@ def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="run the proxy")
     p.add_argument("--engine", choices=["sglang", "vllm", "reference"])
     p.add_argument("--engine-url", action="append", dest="engine_url", metavar="URL", help="repeatable; replicas")
+    p.add_argument("--routing", choices=["hash", "least-loaded"], help="sessions -> replicas: consistent hashing (default), or least in-flight at first placement, then sticky")
     p.add_argument("--tokenizer", metavar="PATH_OR_ID")
     p.add_argument("--renderer", metavar="NAME", help="a renderers family (e.g. qwen3) or 'generic'")
     p.add_argument("--model-name")
@@ -29,7 +30,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--drift-check", choices=["all", "sampled", "off"])
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-context", type=int)
+    p.add_argument("--max-output-tokens", type=int, help="cap on every turn's output (default: what fits in the context)")
     p.add_argument("--lease-timeout-s", type=float)
+    p.add_argument("--engine-timeout-s", type=float, help="total deadline of one engine call, in seconds (default 600)")
+    p.add_argument("--max-inflight", type=int, help="turns in flight before new ones wait (default: 128 per CPU core, 256-4096)")
+    p.add_argument("--admission-wait-s", type=float, help="how long a turn beyond --max-inflight waits before 429 (default 2)")
+    p.add_argument("--max-request-bytes", type=int, help="largest request body accepted (default 32 MiB)")
     p.add_argument("--reference-model", metavar="DIR", help="model dir for the bundled engine (created if missing)")
     p.add_argument("--reference-script", metavar="FILE")
     p.add_argument("--reference-script-delay-ms", type=int)
@@ -84,7 +90,7 @@ def build(settings: Settings):
         ) from None
     name = renderer_name_for(settings.model_name, renderer) if renderer != "generic" else None
     fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention)
-    pool = EnginePool(kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s)
+    pool = EnginePool(kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s, routing=settings.routing)
     return settings, fmt, pool, engine_proc
 
 
@@ -167,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("init-model", help="write the tiny Qwen3-architecture model with the real Qwen3 tokenizer", add_help=False)
     sub.add_parser("demo", help="the whole loop: engine, proxy, agents, trainer", add_help=False)
     sub.add_parser("train", help="the GRPO trainer loop against one or more proxies", add_help=False)
+    sub.add_parser("publish", help="publish weights to a fleet of proxies (each engine loads once)", add_help=False)
     sub.add_parser("bench", help="benchmarks (overhead, splice, store, logprobs)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("engine", "init-model", "demo", "train", "bench"):
+    if argv and argv[0] in ("engine", "init-model", "demo", "train", "publish", "bench"):
         cmd, rest = argv[0], argv[1:]
         if cmd == "engine":
             from engines.reference.server import main as engine_main
@@ -185,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             from trainer_bridge.train import main as train_main
 
             return train_main(rest) or 0
+        if cmd == "publish":
+            from trainer_bridge.publish import main as publish_main  # HTTP only; no torch needed
+
+            return publish_main(rest) or 0
         if cmd == "demo":
             from .demo import main as demo_main
 

@@ -175,7 +175,10 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise BodyTooLarge(413, f"request body is larger than {limit} bytes", code="request_too_large")
+                    raise BodyTooLarge(
+                        413, f"request body is larger than {limit} bytes", code="request_too_large",
+                        headers={"Connection": "close"},  # stop reading the rest of the upload
+                    )  # fmt: skip
             return message
 
         return receive_limited
@@ -196,7 +199,10 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > s.max_request_bytes):
             if not length.isdigit():
                 raise APIError(400, "invalid Content-Length header", code="invalid_request")
-            raise APIError(413, f"request body is larger than {s.max_request_bytes} bytes", code="request_too_large")
+            raise APIError(
+                413, f"request body is larger than {s.max_request_bytes} bytes", code="request_too_large",
+                headers={"Connection": "close"},
+            )  # fmt: skip
 
 
 async def _send_error(send, exc: APIError, *, anthropic: bool = False) -> None:

@@ -37,7 +37,21 @@ class Metrics:
         self.sampling_overrides = Counter(
             "splice_sampling_overrides", "Requests whose sampling values were replaced by the trainable ones", registry=r
         )
+        self.tools_not_offered = Counter(
+            "splice_tools_not_offered", "Hosted tools a request sent that the model was not offered, by type", ["type"], registry=r
+        )
+        self.controls_not_enforced = Counter(
+            "splice_controls_not_enforced", "Turns with a control Splice records but does not enforce, by control", ["control"], registry=r
+        )
         self.malformed_calls = Counter("splice_malformed_tool_calls", "Tool calls returned as text", registry=r)
         self.inflight = Gauge("splice_inflight_turns", "Turns in flight", registry=r)
+        self.admission_active = Gauge("splice_admission_active", "Agent requests admitted and running", registry=r)
+        self.admission_waiting = Gauge("splice_admission_waiting", "Agent requests waiting for a slot", registry=r)
+        self.admission_rejected = Counter(
+            "splice_admission_rejected", "Agent requests refused with 429 after the admission wait", registry=r
+        )
+        self.abandoned = Counter(
+            "splice_abandoned_turns", "Turns whose client went away before the final body or event was sent", registry=r
+        )
         self.store_bytes = Gauge("splice_store_bytes", "Size of the SQLite store on disk", registry=r)
         self.version = Gauge("splice_policy_version", "Current policy version", registry=r)

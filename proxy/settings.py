@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_max_inflight() -> int:
+    """Turns in flight before requests wait: 128 per CPU core, between 256 and 4096."""
+    return max(256, min(4096, 128 * (os.cpu_count() or 2)))
 
 
 class Settings(BaseSettings):
@@ -13,6 +19,7 @@ class Settings(BaseSettings):
 
     engine: Literal["sglang", "vllm", "reference"] = "reference"
     engine_url: list[str] = Field(default_factory=list)  # empty: start the bundled reference engine
+    routing: Literal["hash", "least-loaded"] = "hash"  # sessions -> replicas: consistent hashing, or least in-flight then sticky
     tokenizer: str | None = None  # path or hub id; default: the engine's model dir / bundled Qwen3
     renderer: str | None = None  # a `renderers` family (e.g. qwen3) or "generic"
     model_name: str = "splice-model"  # what /v1/models reports; also picks the renderer if known
@@ -30,11 +37,12 @@ class Settings(BaseSettings):
     drift_check: Literal["all", "sampled", "off"] = "sampled"
     temperature: float = 1.0  # the server-wide sampling temperature (trainable mode)
     max_context: int | None = None  # prompt + output tokens; default (and upper bound): the engine's own
-    default_max_tokens: int = 1024  # output budget when the request does not set one
+    max_output_tokens: int | None = None  # caps every turn's output; None: as much as fits in the context
     lease_timeout_s: float = 600.0
     max_request_bytes: int = 32 * 1024 * 1024
-    max_inflight: int = 1024  # concurrent turns before 429
-    engine_timeout_s: float = 600.0
+    max_inflight: int = Field(default_factory=lambda: default_max_inflight())  # concurrent turns, then a wait, then 429
+    admission_wait_s: float = 2.0  # how long a request beyond max_inflight waits for a slot before 429
+    engine_timeout_s: float = 600.0  # total deadline of one engine call (not per read)
     reference_model: str | None = None  # model dir for the bundled engine (created if missing)
     reference_script: str | None = None  # script file for the bundled engine
     reference_script_delay_ms: int = 0

@@ -27,9 +27,9 @@ from tokenization.incremental import CONTENT, REASONING, StopTextFilter, Strippe
 from ..errors import bad_request
 from ..ids import call_id, chat_completion_id
 from ..session import Presentation, TurnRequest, TurnResult, TurnRunner
-from .content import check_tool_choice, convert_tools, name_tool_messages, text_of
+from .content import check_tool_choice, name_tool_messages, offer_tools, text_of, tool_choice_control
 from .context import turn_request
-from .jsonio import JSONResponse, dumps, parse_json_body, validate
+from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .models import ChatCompletionRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
 from .streaming import DONE, TurnStream, run_turn, sse_data, streaming_response, to_api_error
@@ -135,16 +135,27 @@ class ChatContext:
 def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner) -> ChatContext:
     req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
     req.check_supported()
-    tools, _ = convert_tools(req.tools)
+    ts = offer_tools(req.tools, freeform_ok=False)
+    tools = ts.tools
     check_tool_choice(req.tool_choice, tools)
     messages, ids = messages_to_conversation(req.messages)
     treq = turn_request(
         "chat", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=ids, stop=req.stop_list,
-        max_output_tokens=req.max_output_tokens,
+        max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=chat_controls(req),
     )
     ctx = ChatContext(req=req, turn=treq, fmt=runner.fmt)
     treq.present = ctx.present
     return ctx
+
+
+def chat_controls(req: ChatCompletionRequest) -> dict[str, Any]:
+    """What the request asks that would need constrained decoding (recorded, not enforced)."""
+    fmt = req.response_format
+    return {
+        "tool_choice": tool_choice_control(req.tool_choice),
+        "parallel_tool_calls": False if req.parallel_tool_calls is False else None,
+        "response_format": fmt if isinstance(fmt, dict) and fmt.get("type") not in (None, "text") else None,
+    }
 
 
 # ============================================================================ output
@@ -211,7 +222,7 @@ def completion_body(ctx: ChatContext, result: TurnResult) -> dict[str, Any]:
         "usage": chat_usage(ctx, result),
         "service_tier": "default",
         "system_fingerprint": None,
-        "splice": splice_info(result),
+        "splice": splice_info(result, ctx.turn),
     }
 
 
@@ -282,7 +293,7 @@ async def stream_chat(ctx: ChatContext, stream: TurnStream) -> AsyncIterator[byt
             cid = call_id(ctx.turn_id, k)
             frames.append(w.chunk({"tool_calls": [{"index": k, "id": cid, "type": "function", "function": {"name": c.name, "arguments": ""}}]}))
             frames.append(w.chunk({"tool_calls": [{"index": k, "function": {"arguments": c.arguments}}]}))
-        frames.append(w.chunk({}, finish_reason=finish_reason_of(result), logprobs=result.body["choices"][0]["logprobs"], splice=splice_info(result)))
+        frames.append(w.chunk({}, finish_reason=finish_reason_of(result), logprobs=result.body["choices"][0]["logprobs"], splice=splice_info(result, ctx.turn)))
         if w.include_usage:
             usage = dict(w.base, choices=[], usage=result.body["usage"])
             frames.append(sse_data(usage))
@@ -306,14 +317,14 @@ def chat_router(runner: TurnRunner) -> APIRouter:
     """``POST /v1/chat/completions``."""
     router = APIRouter()
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def post_chat(request: Request):
-        ctx = build_chat_context(parse_json_body(await request.body()), request.headers, runner)
+        ctx = build(build_chat_context, parse_json_body(await request.body()), request.headers, runner)
         if not ctx.req.stream:
-            result = await run_turn(runner, ctx.turn)
+            result = await run_turn(runner, ctx.turn, request)
             return JSONResponse(result.encoded, headers=splice_headers(result))
         stream = TurnStream(runner, ctx.turn)
-        await stream.start()
-        return streaming_response(stream_chat(ctx, stream), headers=stream.headers())
+        await stream.start(request)
+        return streaming_response(stream_chat(ctx, stream), headers=stream.headers(), turn=stream)
 
     return router

@@ -67,7 +67,7 @@ def session_fields(headers, metadata: dict[str, Any] | None, fallback: str | Non
             size = int(str(gsize).strip())
         except ValueError:
             raise bad_request(f"group size must be a positive integer, got {gsize!r}", code="invalid_value", param="group_size") from None
-        if size < 1:
+        if not 1 <= size <= 1_000_000:  # stored as an SQLite integer; no real group is larger
             raise bad_request(f"group size must be a positive integer, got {gsize!r}", code="invalid_value", param="group_size")
     for name, v in (("session_id", sid), ("group_id", gid)):
         if v is not None and not isinstance(v, (str, int)):

@@ -23,11 +23,11 @@ from tokenization import ChatFormat
 from tokenization.conversation import Message, ToolCall
 
 from ..errors import APIError, bad_request, not_found
-from ..ids import call_id, function_call_item_id, message_id, reasoning_id, response_id, turn_id_from
+from ..ids import call_id, custom_call_item_id, function_call_item_id, message_id, reasoning_id, response_id, turn_id_from
 from ..session import Presentation, TurnRequest, TurnResult, TurnRunner, returned_message
-from .content import check_tool_choice, convert_tools, name_tool_messages, text_of
+from .content import ToolSet, check_tool_choice, custom_arguments, custom_input, name_tool_messages, offer_tools, text_of, tool_choice_control
 from .context import turn_request
-from .jsonio import JSONResponse, dumps, parse_json_body, validate
+from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .models import ResponsesRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
 from .streaming import TurnStream, run_turn, streaming_response
@@ -105,7 +105,7 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str | None:
     return None  # encrypted_content only: nothing Splice can render
 
 
-def input_to_messages(items: str | list[dict[str, Any]] | None) -> tuple[list[Message], list[str]]:
+def input_to_messages(items: str | list[dict[str, Any]] | None, tools: ToolSet | None = None) -> tuple[list[Message], list[str]]:
     """Convert Responses input to messages; also return the ids the input carries, in order.
 
     Consecutive reasoning / assistant message / function_call items merge into one assistant
@@ -160,7 +160,7 @@ def input_to_messages(items: str | list[dict[str, Any]] | None) -> tuple[list[Me
                 pending = _PendingAssistant()
             pending.has_reasoning_item = True
             pending.reasoning = text
-        elif typ == "function_call":
+        elif typ in ("function_call", "custom_tool_call"):
             name = item.get("name")
             cid = item.get("call_id") or item.get("id")
             args = item.get("arguments", "")
@@ -168,12 +168,16 @@ def input_to_messages(items: str | list[dict[str, Any]] | None) -> tuple[list[Me
                 raise bad_request(f"{where} (function_call) needs a 'name'", code="missing_required_parameter", param=f"{where}.name")
             if not isinstance(cid, str) or not cid:
                 raise bad_request(f"{where} (function_call) needs a 'call_id'", code="missing_required_parameter", param=f"{where}.call_id")
-            if not isinstance(args, str):
+            if typ == "custom_tool_call":
+                args = custom_arguments(str(item.get("input", "")))
+            elif not isinstance(args, str):
                 args = orjson.dumps(args).decode()
+            if tools is not None:
+                name = tools.visible_name(item.get("namespace"), name)
             if pending is None:
                 pending = _PendingAssistant()
             pending.tool_calls.append(ToolCall(id=cid, name=name, arguments=args))
-        elif typ == "function_call_output":
+        elif typ in ("function_call_output", "custom_tool_call_output"):
             flush()
             cid = item.get("call_id")
             if not isinstance(cid, str) or not cid:
@@ -253,6 +257,7 @@ class ResponsesContext:
     tools_echo: list[dict[str, Any]]
     fmt: ChatFormat
     created_at: float = field(default_factory=time.time)
+    toolset: ToolSet = field(default_factory=ToolSet)
 
     @property
     def turn_id(self) -> str:
@@ -269,12 +274,13 @@ class ResponsesContext:
 def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: ResponseReader) -> ResponsesContext:
     req: ResponsesRequest = validate(ResponsesRequest, body)
     req.check_supported()
-    tools, echo = convert_tools(req.tools)
+    ts = offer_tools(req.tools)
+    tools, echo = ts.tools, ts.echo
     check_tool_choice(req.tool_choice, tools)
     items = req.input
     if isinstance(items, list):
         items = resolve_item_references(store, items)
-    msgs, ids = input_to_messages(items)
+    msgs, ids = input_to_messages(items, ts)
     prev: list[Message] = []
     hints: list[str] = []
     if req.previous_response_id:
@@ -287,11 +293,22 @@ def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: Resp
         raise bad_request("'input' is empty: nothing to respond to", code="invalid_value", param="input")
     treq = turn_request(
         "responses", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=hints, stop=[],
-        max_output_tokens=req.max_output_tokens,
+        max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=responses_controls(req),
     )
-    ctx = ResponsesContext(req=req, turn=treq, history=history, tools_echo=echo, fmt=runner.fmt)
+    ctx = ResponsesContext(req=req, turn=treq, history=history, tools_echo=echo, fmt=runner.fmt, toolset=ts)
     treq.present = ctx.present
     return ctx
+
+
+def responses_controls(req: ResponsesRequest) -> dict[str, Any]:
+    """What the request asks that would need constrained decoding (recorded, not enforced)."""
+    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    return {
+        "tool_choice": tool_choice_control(req.tool_choice),
+        "parallel_tool_calls": False if req.parallel_tool_calls is False else None,
+        "text.format": fmt if isinstance(fmt, dict) and fmt.get("type") not in (None, "text") else None,
+        "max_tool_calls": req.max_tool_calls,
+    }
 
 
 # ============================================================================ output
@@ -324,6 +341,24 @@ def function_call_item(turn_id: str, k: int, name: str, arguments: str, status: 
         "arguments": arguments,
         "status": status,
     }
+
+
+def tool_call_item(ts: ToolSet, turn_id: str, k: int, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    """The output item of call ``k``: a ``function_call`` (with its ``namespace`` when the tool
+    came from one) or, for a freeform tool, a ``custom_tool_call`` with its raw ``input``."""
+    if name in ts.custom:
+        return {
+            "id": custom_call_item_id(turn_id, k),
+            "type": "custom_tool_call",
+            "call_id": call_id(turn_id, k),
+            "name": name,
+            "input": custom_input(arguments),
+            "status": status,
+        }
+    item = function_call_item(turn_id, k, name, arguments, status)
+    if name in ts.namespaces:
+        item["namespace"], item["name"] = ts.namespaces[name]
+    return item
 
 
 def response_skeleton(ctx: ResponsesContext, turn_id: str) -> dict[str, Any]:
@@ -380,11 +415,11 @@ def finish_response(body: dict[str, Any], ctx: ResponsesContext, result: TurnRes
         "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.total_tokens,
     }
-    body["splice"] = splice_info(result)
+    body["splice"] = splice_info(result, ctx.turn)
     return body
 
 
-def build_output(turn_id: str, result: TurnResult, logprobs: list | None = None) -> list[dict[str, Any]]:
+def build_output(turn_id: str, result: TurnResult, logprobs: list | None = None, tools: ToolSet | None = None) -> list[dict[str, Any]]:
     p = result.parsed
     status = "incomplete" if result.finish_reason == "length" else "completed"
     out: list[dict[str, Any]] = []
@@ -393,14 +428,14 @@ def build_output(turn_id: str, result: TurnResult, logprobs: list | None = None)
     if p.content or not p.tool_calls:
         out.append(message_item(turn_id, p.content, status, logprobs))
     for k, c in enumerate(p.tool_calls):
-        out.append(function_call_item(turn_id, k, c.name, c.arguments))
+        out.append(tool_call_item(tools or ToolSet(), turn_id, k, c.name, c.arguments))
     return out
 
 
 def present_response(ctx: ResponsesContext, result: TurnResult) -> Presentation:
     """The final Response object, and the conversation ``previous_response_id`` expands to."""
     lp = token_logprobs(ctx.fmt, result) if wants_logprobs(ctx.req) else None
-    body = finish_response(response_skeleton(ctx, result.turn_id), ctx, result, build_output(result.turn_id, result, lp))
+    body = finish_response(response_skeleton(ctx, result.turn_id), ctx, result, build_output(result.turn_id, result, lp, ctx.toolset))
     conversation = None if ctx.req.store is False else messages_to_json(ctx.history + [returned_message(result)])
     return Presentation(body=body, encoded=dumps(body), conversation=conversation)
 
@@ -414,15 +449,15 @@ def responses_router(runner: TurnRunner, store: ResponseReader) -> APIRouter:
 
     router = APIRouter()
 
-    @router.post("/v1/responses")
+    @router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def post_response(request: Request):
-        ctx = build_context(parse_json_body(await request.body()), request.headers, runner, store)
+        ctx = build(build_context, parse_json_body(await request.body()), request.headers, runner, store)
         if not ctx.req.stream:
-            result = await run_turn(runner, ctx.turn)
+            result = await run_turn(runner, ctx.turn, request)
             return JSONResponse(result.encoded, headers=splice_headers(result))
         stream = TurnStream(runner, ctx.turn)
-        await stream.start()  # errors before the first token are plain HTTP errors
-        return streaming_response(stream_response(ctx, stream), headers=stream.headers())
+        await stream.start(request)  # errors before the first token are plain HTTP errors
+        return streaming_response(stream_response(ctx, stream), headers=stream.headers(), turn=stream)
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):

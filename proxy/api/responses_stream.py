@@ -13,7 +13,7 @@ from tokenization.incremental import CONTENT, REASONING, IncrementalDecoder, Str
 
 from ..errors import APIError
 from ..ids import message_id, reasoning_id, response_id
-from .responses import ResponsesContext, function_call_item, message_item, output_text_part, reasoning_item, response_skeleton
+from .responses import ResponsesContext, message_item, output_text_part, reasoning_item, response_skeleton, tool_call_item
 from .streaming import TurnStream, sse_event, to_api_error
 
 log = logging.getLogger("splice.responses")
@@ -137,16 +137,24 @@ class ResponseEventWriter:
         return out
 
     # -- function calls -------------------------------------------------------------------
-    def function_call(self, k: int, name: str, arguments: str) -> list[bytes]:
+    def function_call(self, k: int, name: str, arguments: str, ctx: ResponsesContext) -> list[bytes]:
         idx = len(self.items)
-        final = function_call_item(self.turn_id, k, name, arguments)
+        final = tool_call_item(ctx.toolset, self.turn_id, k, name, arguments)
         self.items.append(final)
         fid = final["id"]
+        if final["type"] == "custom_tool_call":
+            added = dict(final, input="", status="in_progress")
+            return [
+                self.event("response.output_item.added", output_index=idx, item=added),
+                self.event("response.custom_tool_call_input.delta", item_id=fid, output_index=idx, delta=final["input"]),
+                self.event("response.custom_tool_call_input.done", item_id=fid, output_index=idx, input=final["input"]),
+                self.event("response.output_item.done", output_index=idx, item=final),
+            ]
         added = dict(final, arguments="", status="in_progress")
         return [
             self.event("response.output_item.added", output_index=idx, item=added),
             self.event("response.function_call_arguments.delta", item_id=fid, output_index=idx, delta=arguments),
-            self.event("response.function_call_arguments.done", item_id=fid, output_index=idx, name=name, arguments=arguments),
+            self.event("response.function_call_arguments.done", item_id=fid, output_index=idx, name=final["name"], arguments=arguments),
             self.event("response.output_item.done", output_index=idx, item=final),
         ]
 
@@ -192,7 +200,7 @@ async def stream_response(ctx: ResponsesContext, stream: TurnStream) -> AsyncIte
         if p.content or not p.tool_calls or w.msg_index is not None:
             frames += w.close_message(p.content, status, lp)
         for k, c in enumerate(p.tool_calls):
-            frames += w.function_call(k, c.name, c.arguments)
+            frames += w.function_call(k, c.name, c.arguments, ctx)
         frames.append(w.finish(body))
         yield b"".join(frames)
     except asyncio.CancelledError:

@@ -14,7 +14,7 @@ from ..errors import APIError
 from ..session import RecomputeScheduler
 from ..settings import Settings
 from ..store import Conflict, NotFound, Store
-from .jsonio import JSONResponse, read_model
+from .jsonio import JSONResponse, body_schema, read_model
 from .models import AckBody, PullBody, RewardBody
 
 log = logging.getLogger("splice.training")
@@ -69,7 +69,7 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
         )
         return JSONResponse(body)
 
-    @r.post("/v1/sessions/{session_id}/reward")
+    @r.post("/v1/sessions/{session_id}/reward", openapi_extra=body_schema(RewardBody))
     async def reward(session_id: str, request: Request):
         body = await read_model(request, RewardBody)
         try:
@@ -80,7 +80,7 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
             raise APIError(409, str(exc), code="session_closed")
         return JSONResponse(session.to_dict())
 
-    @r.post("/v1/trajectories/pull")
+    @r.post("/v1/trajectories/pull", openapi_extra=body_schema(PullBody))
     async def pull(request: Request):
         body = await read_model(request, PullBody)
         deadline = time.monotonic() + body.wait_s
@@ -95,7 +95,7 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
             await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
         return JSONResponse({"lease_id": lease_id if samples else None, "samples": samples})
 
-    @r.post("/v1/trajectories/ack")
+    @r.post("/v1/trajectories/ack", openapi_extra=body_schema(AckBody))
     async def ack(request: Request):
         body = await read_model(request, AckBody)
         try:

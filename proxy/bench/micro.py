@@ -8,6 +8,8 @@ Subcommands (each prints a table and writes JSON, ``--out FILE``, default ``benc
 * ``logprobs`` peak memory and time of chunked vs naive log-probs (torch, in child processes).
 * ``overhead`` latency, throughput and CPU per turn of Splice and of LiteLLM's proxy in front of a
   zero-latency engine stand-in, against calling the stand-in directly.
+* ``soak``     N sessions x T turns in rounds with weight updates, pulls and rewards: turns/s,
+  p50/p99, errors and the proxy's RSS per round (flat after the warm-up round).
 """
 
 from __future__ import annotations
@@ -422,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     from .overhead import add_parser as add_overhead_parser
 
     add_overhead_parser(sub)
+    from .soak import add_parser as add_soak_parser
+
+    add_soak_parser(sub)
 
     args = ap.parse_args(argv)
     if args.name == "splice":
@@ -430,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_store(args)
     elif args.name == "logprobs":
         res = bench_logprobs(args)
+    elif args.name == "soak":
+        from .soak import run as _run_soak
+
+        res = _run_soak(args)
     else:
         from .overhead import run as _run_overhead
 

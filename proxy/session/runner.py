@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+from engines.http import check_token_ids, vocab_bound
 from engines.types import EngineError, Generation
 from tokenization import ChatFormat, Message
 from tokenization.conversation import ToolCall
@@ -23,6 +24,27 @@ from .turn import TokensCallback, TurnRequest, TurnResult
 log = logging.getLogger("splice.session")
 
 _RESPONSE_IDS = {"responses": response_id, "chat": chat_completion_id, "messages": message_id}
+
+# A request whose messages hold more characters than this is planned (tokenized, rendered) in a
+# worker thread, so one huge request never stalls the event loop; smaller ones stay inline.
+PLAN_INLINE_CHARS = 32_768
+
+
+def message_chars(messages: list[Message]) -> tuple[int, int]:
+    """(all characters of the messages, characters every render keeps: non-assistant content)."""
+    total = kept = 0
+    for m in messages:
+        n = len(m.content)
+        total += n + len(m.reasoning or "") + sum(len(tc.arguments) for tc in m.tool_calls)
+        if m.role != "assistant":
+            kept += n
+    return total, kept
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for (byte-level BPE: bytes >= characters)."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(p) for p in pieces if p), default=1)
 
 
 class StoreLookup:
@@ -81,6 +103,8 @@ class TurnRunner:
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
         self._ambiguous_logged: set[str] = set()
+        self.vocab_size = vocab_bound(fmt.tokenizer)
+        self._max_token_chars: int | None = None
 
     def _lock(self, session_id: str) -> asyncio.Lock:
         lock = self._locks.get(session_id)
@@ -109,7 +133,12 @@ class TurnRunner:
 
     async def run(self, req: TurnRequest, on_tokens: TokensCallback | None = None) -> TurnResult:
         t_start = time.perf_counter()
-        p = self._plan(req)
+        chars, kept = message_chars(req.messages)
+        if chars > PLAN_INLINE_CHARS:
+            await self._check_fits(req, kept)
+            p = await asyncio.to_thread(self._plan, req)
+        else:
+            p = self._plan(req)
         req.session_resolved = p.session_id
         session = None if p.new_session else self.store.sessions.get(p.session_id)  # read once per turn
         if session is not None and session.closed:
@@ -137,9 +166,36 @@ class TurnRunner:
             self._spawn(self.drift.check(req, result, p.parent_turn_id))
         return result
 
+    async def _check_fits(self, req: TurnRequest, chars: int) -> None:
+        """``context_length_exceeded`` before any tokenizing when the text cannot fit: every
+        token stands for at most ``max_token_chars`` characters of it."""
+        if self._max_token_chars is None:
+            self._max_token_chars = await asyncio.to_thread(max_token_chars, self.fmt.tokenizer)
+        limit = self.sampling.max_context * self._max_token_chars
+        if chars > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.sampling.max_context} tokens; the messages hold "
+                f"{chars} characters, more than {limit} ({self._max_token_chars} per token at most) can fit.",
+                code="context_length_exceeded",
+                param="input" if req.api == "responses" else "messages",
+            )
+
+    def abandon(self, result: TurnResult) -> None:
+        """The client went away before the turn's final body or event was sent: the committed
+        turn is marked abandoned, and sample assembly never uses it (docs/design.md section 11)."""
+        try:
+            self.store.turns.abandon(result.turn_id)
+        except Exception:  # noqa: BLE001 - best effort; logged
+            log.exception("could not mark turn %s abandoned", result.turn_id)
+        self.metrics.abandoned.inc()
+        log.info("turn %s of session %s abandoned: the client went away before it was delivered", result.turn_id, result.session_id)
+
     async def _generate(self, p: Plan, params, on_tokens: TokensCallback | None) -> Generation:
         try:
-            return await self.pool.generate(p.prompt_ids, params, session_id=p.session_id, on_tokens=on_tokens)
+            gen = await self.pool.generate(p.prompt_ids, params, session_id=p.session_id, on_tokens=on_tokens)
+            check_token_ids(gen.output_ids, self.vocab_size, gen.replica)
+            return gen
         except EngineError as exc:
             raise from_engine_error(exc) from exc
 
@@ -227,6 +283,10 @@ class TurnRunner:
             m.resumes.inc(max(0, gen.segments - 1))
         if result.parsed.malformed:
             m.malformed_calls.inc(len(result.parsed.malformed_calls))
+        for typ in req.tools_not_offered:
+            m.tools_not_offered.labels(typ).inc()
+        for control in req.controls_not_enforced:
+            m.controls_not_enforced.labels(control).inc()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

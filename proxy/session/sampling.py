@@ -17,12 +17,12 @@ from .turn import TurnRequest
 class SamplingPolicy:
     FALLBACK_CONTEXT = 32768  # only when neither the flag nor the engine says
 
-    def __init__(self, *, mode: str, temperature: float, max_context: int | None, default_max_tokens: int | None):
+    def __init__(self, *, mode: str, temperature: float, max_context: int | None, default_max_tokens: int | None = None):
         self.mode = mode
         self.temperature = temperature
         self.max_context = max_context or self.FALLBACK_CONTEXT
         self._configured = max_context
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens = default_max_tokens  # --max-output-tokens: a cap on every turn; None: what fits
 
     def learn_context(self, engine_context: int | None) -> None:
         """The engine's context length bounds the flag; without a flag it is the limit."""
@@ -46,8 +46,8 @@ class SamplingPolicy:
                 code="context_length_exceeded",
                 param="input" if req.api == "responses" else "messages",
             )
-        want = req.max_output_tokens or self.default_max_tokens or room
-        max_new = max(1, min(want, room))  # clamped to what fits
+        want = min(n for n in (req.max_output_tokens, self.default_max_tokens, room) if n)
+        max_new = max(1, min(want, room))  # clamped to what fits (OpenAI's default: the rest of the context)
         if self.mode == "honor":
             return SamplingParams(
                 max_new_tokens=max_new,
@@ -70,4 +70,6 @@ class SamplingPolicy:
             "max_output_tokens": req.max_output_tokens,
             "mode": self.mode,
             "trainable": self.mode == "trainable",
+            "tools_not_offered": list(req.tools_not_offered),
+            "controls_not_enforced": dict(req.controls_not_enforced),
         }

@@ -49,6 +49,8 @@ class TurnRequest:
     stop: list[str] = field(default_factory=list)
     chat_template_kwargs: dict | None = None
     metadata: dict = field(default_factory=dict)
+    tools_not_offered: list[str] = field(default_factory=list)  # hosted tools the model was not offered (reported)
+    controls_not_enforced: dict[str, Any] = field(default_factory=dict)  # recorded with the turn, reported, not enforced
     present: Callable[["TurnResult"], Presentation] | None = None
     session_resolved: str | None = None  # set by the session layer once the turn is planned
 

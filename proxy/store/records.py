@@ -58,6 +58,7 @@ class TurnRecord:
     drift: bool  # a full re-render would have produced different ids than the spliced prompt
     api: str  # "responses" or "chat"
     response_id: str
+    abandoned: bool = False  # the client went away before it was delivered: never trained on
 
     @property
     def full_ids(self) -> list[int]:
@@ -102,4 +103,5 @@ class TurnRecord:
             "drift": self.drift,
             "api": self.api,
             "response_id": self.response_id,
+            "abandoned": self.abandoned,
         }

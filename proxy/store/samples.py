@@ -93,6 +93,8 @@ def assemble_samples(session: SessionRecord, turns: list[TurnRecord]) -> list[Sa
     """
     samples: list[Sample] = []
     for turn in sorted(turns, key=lambda t: t.index):
+        if turn.abandoned:  # never delivered to its client: not a trajectory anyone acted on
+            continue
         turn.check()
         prompt = turn.prompt_ids
         matches = [s for s in samples if len(s) <= len(prompt) and prompt[: len(s)] == s.input_ids]

@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS sessions (
 );
 CREATE INDEX IF NOT EXISTS sessions_ready ON sessions(rewarded_at) WHERE reward IS NOT NULL AND acked = 0;
 CREATE INDEX IF NOT EXISTS sessions_group ON sessions(group_id) WHERE group_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS sessions_created ON sessions(created_at);   -- GET /v1/sessions
 CREATE INDEX IF NOT EXISTS sessions_lease ON sessions(lease_id) WHERE lease_id IS NOT NULL;
 
 CREATE TABLE IF NOT EXISTS turns (
@@ -65,6 +66,9 @@ CREATE TABLE IF NOT EXISTS pending (     -- turns with tokens still lacking a pr
     vmax     INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS pending_vmax ON pending(vmax);
+CREATE TABLE IF NOT EXISTS abandoned (   -- turns committed but never delivered (client went away)
+    turn_seq INTEGER PRIMARY KEY
+);
 CREATE TABLE IF NOT EXISTS samplings (
     id   INTEGER PRIMARY KEY,
     json BLOB NOT NULL UNIQUE

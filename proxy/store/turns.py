@@ -41,7 +41,8 @@ from .sessions import SessionTable, read_session
 SELECT = (
     "SELECT t.seq, t.turn_id, t.session_id, t.idx, t.parent_turn_id, t.prompt_base, t.prompt_base_len, "
     "t.prompt_tail, t.n_output, t.output_ids, t.logprobs, t.versions, p.prox_logprobs, p.prox_versions, "
-    "t.spliced, t.fork_reason, t.finish_reason, t.created_at, sm.json, t.drift, t.api, t.response_id "
+    "t.spliced, t.fork_reason, t.finish_reason, t.created_at, sm.json, t.drift, t.api, t.response_id, "
+    "EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq) "
     "FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq JOIN samplings sm ON sm.id = t.sampling_id "
 )
 
@@ -150,6 +151,12 @@ class TurnTable:
         if resp_seq is not None:
             self.responses.remember(resp_seq, response.conversation)
         return turn
+
+    def abandon(self, turn_id: str) -> None:
+        """Mark a committed turn abandoned: its client went away before the answer was sent,
+        so no sample ever contains it (docs/design.md section 11). Idempotent."""
+        with self.db.write() as c:
+            c.execute("INSERT OR IGNORE INTO abandoned (turn_seq) SELECT seq FROM turns WHERE turn_id = ?", (turn_id,))
 
     def set_drift(self, turn_id: str, drift: bool = True) -> None:
         """Record, after the fact, whether a full re-render would have produced different ids."""
@@ -311,7 +318,8 @@ def _owed_rows(c, version: int) -> list:
     owed = version - 1
     rows = c.execute(
         SELECT + "JOIN pending q ON q.turn_seq = t.seq JOIN sessions s ON s.session_id = t.session_id "
-        "WHERE q.vmax >= ? AND q.vmin <= ? AND s.acked = 0 ORDER BY t.seq",
+        "WHERE q.vmax >= ? AND q.vmin <= ? AND s.acked = 0 "
+        "AND NOT EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq) ORDER BY t.seq",
         (owed, owed),
     ).fetchall()
     result = []
@@ -327,7 +335,7 @@ def _turn(row, prompt: np.ndarray) -> TurnRecord:
     (
         _seq, turn_id, session_id, idx, parent, _base, _base_len, _tail, _n_out,
         output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
-        created_at, sampling, drift, api, response_id,
+        created_at, sampling, drift, api, response_id, abandoned,
     ) = row  # fmt: skip
     lp = unpack_f32(logprobs)
     v = unpack_runs(versions)
@@ -351,4 +359,5 @@ def _turn(row, prompt: np.ndarray) -> TurnRecord:
         drift=bool(drift),
         api=api,
         response_id=response_id,
+        abandoned=bool(abandoned),
     )

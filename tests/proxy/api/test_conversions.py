@@ -110,7 +110,7 @@ def test_tools():
     assert [(t.name, t.description, t.parameters) for t in tools] == [("f", "d", {"type": "object"}), ("g", "", {})]
     assert echo[0]["strict"] is False and echo[1]["strict"] is True
     for bad, param in (
-        ([{"type": "file_search", "vector_store_ids": []}], "tools[0]"),
+        ([{"type": "rocket_launcher"}], "tools[0]"),
         ([{"type": "function"}], "tools[0].name"),
         ([{"type": "function", "name": "f"}, {"type": "function", "name": "f"}], "tools[1].name"),
         ([{"type": "function", "name": "f", "parameters": "nope"}], "tools[0].parameters"),

@@ -132,7 +132,7 @@ def test_store_false_is_not_retrievable(client, live):
 def test_bad_inputs_are_400_in_openai_shape(live):
     cases = [
         ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0]"),
-        ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"model": "m", "input": "x", "tools": [{"type": "rocket_launcher"}]}, "tools[0]"),
         ({"model": "m", "input": [{"type": "computer_call", "id": "c"}]}, "input[0]"),
         ({"model": "m", "input": "x", "temperature": 7}, "temperature"),
         ({"model": "m", "input": "x", "background": True}, "background"),
