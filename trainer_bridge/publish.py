@@ -3,7 +3,9 @@
 The protocol, for any trainer (``splice publish`` runs it from the command line)::
 
     1. status   GET  /admin/status          on every proxy: its engines (stable ids) and health
-    2. pause    POST /admin/pause           on every proxy: owed recomputes (R2), then pause
+    2. pause    POST /admin/recompute       on every proxy: owed recomputes (R2), all before any
+                                            pause (a paused engine would hold another proxy's
+                                            recompute), then POST /admin/pause?recompute=false
     3. load     POST /admin/update_weights  {"model_path", "version", "engines": [ids]} on ONE
                                             proxy per distinct engine: each engine loads once
     4. version  POST /admin/version         {"version", "model_path"} on every other proxy
@@ -50,6 +52,7 @@ class PublishReport:
     timings_s: dict[str, float] = field(default_factory=dict)
     ok: bool = False
     error: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -212,9 +215,17 @@ def _publish(client: ProxyClient, model_path: str, version: int, before_resume: 
     lap("status")
 
     try:
-        # 2. every proxy runs its owed recomputes and pauses its engines
-        results = _parallel(lambda i: client.admin(i, "/admin/pause"), every)
-        report.recomputed_tokens = sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
+        # 2. every proxy runs its owed recomputes, then (only then) every proxy pauses its engines
+        if len(urls) == 1:
+            results = _parallel(lambda i: client.admin(i, "/admin/pause"), every)
+        else:
+            results = _parallel(lambda i: client.admin(i, "/admin/recompute"), every)
+            for i, _, exc in results:
+                if exc is not None and not (isinstance(exc, ProxyError) and exc.status == 404):
+                    report.warnings.append(f"{urls[i]}: recompute before pause failed: {_message(exc)}")
+            report.recomputed_tokens = sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
+            results = _parallel(lambda i: client.admin(i, "/admin/pause?recompute=false"), every)
+        report.recomputed_tokens += sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
         fail_first("pause", results)
         lap("pause")
 

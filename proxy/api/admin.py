@@ -42,13 +42,20 @@ async def _engine(coro):
 def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Metrics) -> APIRouter:
     r = APIRouter()
 
+    @r.post("/admin/recompute")
+    async def recompute_owed():
+        # A fleet publish runs this on every proxy before any proxy pauses: once one proxy has
+        # paused the shared engines, another proxy's recompute would wait for them to continue.
+        return JSONResponse({"recomputed_tokens": await _engine(recompute.run()), "version": pool.version})
+
     @r.post("/admin/pause")
-    async def pause():
+    async def pause(request: Request):
         owed = 0
-        try:
-            owed = await recompute.run()
-        except EngineError as exc:
-            log.warning("recompute before pause failed: %s", exc)
+        if request.query_params.get("recompute", "true").lower() not in ("false", "0", "no"):
+            try:
+                owed = await recompute.run()
+            except EngineError as exc:
+                log.warning("recompute before pause failed: %s", exc)
         await _engine(pool.pause())
         return JSONResponse({"paused": True, "version": pool.version, "recomputed_tokens": owed})
 

@@ -35,9 +35,13 @@ class Fleet:
             if path == "/admin/status":
                 reps = [{"id": e, "url": e, "healthy": True, "stale": False, "weight_version": self.engines[e]["version"]} for e in self.proxies[base]]
                 return httpx.Response(200, json={"version": st["version"], "paused": st["paused"], "engines": {"engine_replicas": reps}})
+            if path == "/admin/recompute":
+                assert not any(s["paused"] for s in self.state.values()), "recompute after a pause would block"
+                return httpx.Response(200, json={"recomputed_tokens": 2})
             if path == "/admin/pause":
+                assert request.url.params.get("recompute") == "false"
                 st["paused"] = True
-                return httpx.Response(200, json={"paused": True, "recomputed_tokens": 2})
+                return httpx.Response(200, json={"paused": True, "recomputed_tokens": 0})
             if path == "/admin/update_weights":
                 loaded, skipped = [], []
                 for e in body["engines"]:
@@ -76,6 +80,9 @@ def test_each_engine_loads_once_every_proxy_learns_the_version_before_any_resume
     assert all(s["version"] == 1 and not s["paused"] for s in fleet.state.values())
     assert report.recomputed_tokens == 6
     steps = [p for _, p, _ in fleet.log]
+    last_recompute = max(i for i, p in enumerate(steps) if p == "/admin/recompute")
+    first_pause = min(i for i, p in enumerate(steps) if p == "/admin/pause")
+    assert last_recompute < first_pause  # no proxy recomputes against engines another one paused
     last_pause = max(i for i, p in enumerate(steps) if p == "/admin/pause")
     first_load = min(i for i, p in enumerate(steps) if p == "/admin/update_weights")
     last_learn = max(i for i, p in enumerate(steps) if p in ("/admin/update_weights", "/admin/version"))
