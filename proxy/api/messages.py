@@ -30,7 +30,7 @@ from ..ids import message_id, tool_use_id
 from ..session import Presentation, TurnRequest, TurnResult, TurnRunner
 from .content import ToolSet, name_tool_messages, offer_tools, text_of
 from .context import turn_request
-from .jsonio import JSONResponse, dumps, parse_json_body, validate
+from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .output import splice_headers, splice_info, usage_of
 from .streaming import TurnStream, run_turn, streaming_response
 
@@ -370,18 +370,18 @@ def messages_router(runner: TurnRunner) -> APIRouter:
 
     router = APIRouter()
 
-    @router.post("/v1/messages")
+    @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
     async def post_message(request: Request):
         try:
-            ctx = build_messages_context(parse_json_body(await request.body()), request.headers, runner)
+            ctx = build(build_messages_context, parse_json_body(await request.body()), request.headers, runner)
             if not ctx.req.stream:
-                result = await run_turn(runner, ctx.turn)
+                result = await run_turn(runner, ctx.turn, request)
                 return JSONResponse(result.encoded, headers=splice_headers(result))
             stream = TurnStream(runner, ctx.turn)
-            await stream.start()  # errors before the first token are plain HTTP errors
+            await stream.start(request)  # errors before the first token are plain HTTP errors
         except APIError as exc:
             return error_response(exc)
-        return streaming_response(stream_message(ctx, stream), headers=stream.headers())
+        return streaming_response(stream_message(ctx, stream), headers=stream.headers(), turn=stream)
 
     @router.post("/v1/messages/count_tokens")
     async def post_count_tokens(request: Request):

@@ -30,18 +30,24 @@ def make_app(spec: dict):
     call = spec["tool_call"]  # {"name": ..., "arguments": "<json string>"}
     reasoning = spec.get("reasoning", "")
     counter = itertools.count()
+    state = {"version": "0"}  # the weight version, set by /update_weights_from_disk
     info = orjson.dumps({"model_path": "/standin", "is_generation": True, "weight_version": "0"})
     models = orjson.dumps({"object": "list", "data": [{"id": "standin", "object": "model", "owned_by": "bench"}]})
     ok = orjson.dumps({"success": True})
 
     def generate(body: bytes) -> bytes:
         req = orjson.loads(body)
+        ids = req.get("input_ids") or []
+        start = int(req.get("logprob_start_len", -1))
+        # a prefill (R2 recompute) asks for input logprobs and no output
+        inputs = [[None if j == 0 else -0.5, t, None] for j, t in enumerate(ids[start:])] if start >= 0 else []
+        prefill = (req.get("sampling_params") or {}).get("max_new_tokens") == 0
         meta = {
-            "id": req.get("rid", "r"), "finish_reason": {"type": "stop", "matched": stop_id},
-            "prompt_tokens": len(req.get("input_ids") or []), "completion_tokens": n_out, "cached_tokens": 0,
-            "weight_version": "0", "input_token_logprobs": [], "output_token_logprobs": triples, "e2e_latency": 0.0,
+            "id": req.get("rid", "r"), "finish_reason": {"type": "length" if prefill else "stop", "matched": None if prefill else stop_id},
+            "prompt_tokens": len(ids), "completion_tokens": 0 if prefill else n_out, "cached_tokens": 0,
+            "weight_version": state["version"], "input_token_logprobs": inputs, "output_token_logprobs": [] if prefill else triples, "e2e_latency": 0.0,
         }
-        return orjson.dumps({"text": "", "output_ids": out_ids, "meta_info": meta})
+        return orjson.dumps({"text": "", "output_ids": [] if prefill else out_ids, "meta_info": meta})
 
     def chat(body: bytes) -> bytes:
         # Not parsed: a zero-latency engine. Prompt tokens are estimated from the body size.
@@ -76,7 +82,10 @@ def make_app(spec: dict):
         elif path in ("/v1/chat/completions", "/chat/completions"):
             data = chat(body)
         elif path in ("/model_info", "/get_model_info"):
-            data = info
+            data = orjson.dumps({**orjson.loads(info), "weight_version": state["version"]})
+        elif path == "/update_weights_from_disk":
+            state["version"] = str(orjson.loads(body).get("weight_version", state["version"]))
+            data = ok
         elif path in ("/v1/models", "/models"):
             data = models
         else:

@@ -137,18 +137,20 @@ def samples_of(app, session_id: str, reward: float = 1.0) -> list[dict]:
 def first_turn(path: str, stream: bool) -> dict:
     if path == "/v1/responses":
         return {"input": "hello", "stream": stream}
-    return {"messages": [{"role": "user", "content": "hello"}], "stream": stream}
+    extra = {"max_tokens": 512} if path == "/v1/messages" else {}
+    return {"messages": [{"role": "user", "content": "hello"}], "stream": stream, **extra}
 
 
 def second_turn(path: str, stream: bool, first_text: str) -> dict:
     if path == "/v1/responses":
         return {"input": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first_text},
                           {"role": "user", "content": "again"}], "stream": stream}  # fmt: skip
+    extra = {"max_tokens": 512} if path == "/v1/messages" else {}
     return {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first_text},
-                         {"role": "user", "content": "again"}], "stream": stream}  # fmt: skip
+                         {"role": "user", "content": "again"}], "stream": stream, **extra}  # fmt: skip
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_disconnect_mid_generation_aborts_releases_and_trains_on_nothing_unseen(tmp_path, path, stream):
     async def body(app, engine):
@@ -179,7 +181,7 @@ def test_disconnect_mid_generation_aborts_releases_and_trains_on_nothing_unseen(
     run(_with_app(tmp_path, body))
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
 def test_turn_committed_but_final_event_never_sent_is_abandoned(tmp_path, path):
     """The runner commits before the final event; if that event never reaches the transport,
     the turn is marked abandoned and sample assembly skips it."""
@@ -187,7 +189,7 @@ def test_turn_committed_but_final_event_never_sent_is_abandoned(tmp_path, path):
     async def body(app, engine):
         h = {"X-Session-Id": "s2"}
         c = Client(app, path, first_turn(path, True), h)
-        c.block_on = b"response.completed" if path == "/v1/responses" else b"[DONE]"
+        c.block_on = {"/v1/responses": b"response.completed", "/v1/messages": b"message_stop"}.get(path, b"[DONE]")
         await asyncio.wait_for(c(), 10)
         for _ in range(100):
             if app.state.store.turns.list("s2") and app.state.store.turns.list("s2")[0].abandoned:
@@ -201,7 +203,7 @@ def test_turn_committed_but_final_event_never_sent_is_abandoned(tmp_path, path):
     run(_with_app(tmp_path, body, hang=0))
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
 def test_delivered_turns_are_trained_on(tmp_path, path):
     async def body(app, engine):
         h = {"X-Session-Id": "s3"}
