@@ -10,6 +10,8 @@ Subcommands (each prints a table and writes JSON, ``--out FILE``, default ``benc
   zero-latency engine stand-in, against calling the stand-in directly.
 * ``soak``     N sessions x T turns in rounds with weight updates, pulls and rewards: turns/s,
   p50/p99, errors and the proxy's RSS per round (flat after the warm-up round).
+* ``publish``  time of a fleet weight update across N proxies sharing two reference engines
+  (N = 1, 4, 16), against the one-proxy-after-another protocol.
 """
 
 from __future__ import annotations
@@ -427,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     from .soak import add_parser as add_soak_parser
 
     add_soak_parser(sub)
+    from .publish import add_parser as add_publish_parser
+
+    add_publish_parser(sub)
 
     args = ap.parse_args(argv)
     if args.name == "splice":
@@ -435,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_store(args)
     elif args.name == "logprobs":
         res = bench_logprobs(args)
+    elif args.name == "publish":
+        from .publish import run as _run_publish
+
+        res = _run_publish(args)
     elif args.name == "soak":
         from .soak import run as _run_soak
 

@@ -51,21 +51,21 @@ def test_no_token_no_header_and_empty_pull():
 
 @respx.mock
 def test_publish_is_pause_update_resume_on_every_proxy():
+    # (the fleet protocol in full: tests/trainer/test_publish.py)
     order = []
-    for base in (URL, URL2):
+    for k, base in enumerate((URL, URL2)):
+        status = {"version": 0, "engines": {"engine_replicas": [{"id": f"http://engine-{k}:30000", "healthy": True}]}}
+        respx.get(f"{base}/admin/status").respond(200, json=status)
         for path in ("/admin/pause", "/admin/update_weights", "/admin/resume", "/admin/version"):
             respx.post(f"{base}{path}").mock(
                 side_effect=lambda req, base=base, path=path: order.append((base, path, req.content)) or httpx.Response(200, json={})
             )
     c = ProxyClient([URL, URL2], admin_token="t")
     c.publish("/ckpt/step_3", 7)
-    paths = [(b, p) for b, p, _ in order]
-    assert paths == [
-        (URL, "/admin/pause"), (URL2, "/admin/pause"),
-        (URL, "/admin/update_weights"), (URL2, "/admin/update_weights"),
-        (URL, "/admin/resume"), (URL2, "/admin/resume"),
-    ]
-    assert json.loads(order[2][2]) == {"model_path": "/ckpt/step_3", "version": 7}
+    phases = [p for _, p, _ in order]
+    assert sorted(phases[:2]) == ["/admin/pause"] * 2 and phases[2:4] == ["/admin/update_weights"] * 2
+    assert phases[4:] == ["/admin/resume"] * 2 and {b for b, _, _ in order[4:]} == {URL, URL2}
+    assert json.loads(order[2][2]) == {"model_path": "/ckpt/step_3", "version": 7, "engines": [f"http://engine-{0 if order[2][0] == URL else 1}:30000"]}
     order.clear()
     c.set_version(9)
     assert [(b, p, json.loads(x)) for b, p, x in order] == [
@@ -75,6 +75,7 @@ def test_publish_is_pause_update_resume_on_every_proxy():
 
 @respx.mock
 def test_failed_update_still_resumes():
+    respx.get(f"{URL}/admin/status").respond(200, json={"engines": {"engine_replicas": [{"id": "http://e:1", "healthy": True}]}})
     respx.post(f"{URL}/admin/pause").respond(200, json={})
     respx.post(f"{URL}/admin/update_weights").respond(
         400, json={"error": {"message": "no such directory", "type": "invalid_request_error", "code": "bad_path"}}
