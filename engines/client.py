@@ -48,6 +48,10 @@ class EngineClient(Protocol):
 
     async def weight_version(self) -> str | None: ...
 
+    async def set_weight_version(self, version: int) -> None:
+        """Tell the engine its weights are ``version`` (they were moved by other means)."""
+        ...
+
     async def health(self) -> bool: ...
 
     async def info(self) -> EngineInfo:

@@ -215,6 +215,12 @@ class EnginePool:
         if model_path:
             self._model_path = model_path
 
+    async def announce_version(self, v: int, *, model_path: str | None = None) -> None:
+        """The weights became ``v`` by other means: tell the engines that keep a version of their
+        own (vLLM's ``/weight_info``, which stamps tokens), then adopt it."""
+        await asyncio.gather(*(r.client.set_weight_version(v) for r in self._replicas.values() if r.healthy))
+        self.set_version(v, model_path=model_path)
+
     def replica_ids(self) -> list[str]:
         return [r.id for r in self._replicas.values()]
 
@@ -388,14 +394,13 @@ class EnginePool:
             params = replace(params, max_new_tokens=self.max_new_tokens(len(input_ids), params.max_new_tokens))
         stitch = Stitcher(list(input_ids), params)
         delivered = 0
-        user_cb = on_tokens
-        cb: TokensCallback | None = None
-        if user_cb is not None:
 
-            async def cb(ids: list[int], logprobs: list[float]) -> None:
-                nonlocal delivered
-                delivered += len(ids)
-                await user_cb(ids, logprobs)
+        async def counting(ids: list[int], logprobs: list[float]) -> None:
+            nonlocal delivered
+            delivered += len(ids)
+            await on_tokens(ids, logprobs)
+
+        cb: TokensCallback | None = counting if on_tokens is not None else None
 
         replica: Replica | None = None
         backoff = 0.0

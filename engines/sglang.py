@@ -276,6 +276,10 @@ class SGLangClient:
         wv = expect_dict(body, self.url, "/model_info").get("weight_version")
         return None if wv is None else str(wv)
 
+    async def set_weight_version(self, version: int) -> None:
+        """Nothing to tell: SGLang reports the version with every response (``meta_info``) and
+        learns one when it loads weights (``update_weights_from_disk`` / ``_from_distributed``)."""
+
     async def health(self) -> bool:
         try:
             await self.http.request("GET", "/health", timeout=5.0, allow_empty=True)

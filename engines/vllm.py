@@ -291,6 +291,14 @@ class VLLMClient:
                 f"{self.url}: weight version reads back as {now!r} after setting {version}", replica=self.url, retryable=False
             )
 
+    async def set_weight_version(self, version: int) -> None:
+        """``POST /update_weight_version`` (dev mode), so ``/weight_info`` stamps the right version
+        after a trainer moved the weights itself; a server without dev mode keeps none."""
+        try:
+            await self._dev("POST", "/update_weight_version", {"new_version": str(int(version))})
+        except EngineUnsupported:
+            pass
+
     async def weight_version(self) -> str | None:
         """``GET /weight_info`` (dev mode); None when the engine does not report one."""
         try:

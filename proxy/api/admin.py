@@ -76,10 +76,7 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
     @r.post("/admin/version", openapi_extra=body_schema(FleetVersionBody))
     async def set_version(request: Request):
         body = await read_model(request, FleetVersionBody)
-        if body.model_path:
-            pool.set_version(body.version, model_path=body.model_path)
-        else:
-            pool.set_version(body.version)
+        await _engine(pool.announce_version(body.version, model_path=body.model_path or None))
         metrics.version.set(body.version)
         if not pool.paused:
             recompute.soon()

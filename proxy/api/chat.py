@@ -20,15 +20,14 @@ from typing import Any, AsyncIterator
 import orjson
 from fastapi import APIRouter, Request
 
-from tokenization import ChatFormat
 from tokenization.conversation import Message, ToolCall
 from tokenization.incremental import CONTENT, REASONING, StopTextFilter, StrippedText
 
 from ..errors import bad_request
 from ..ids import call_id, chat_completion_id
-from ..session import Presentation, TurnRequest, TurnResult, TurnRunner
+from ..session import Presentation, TurnResult, TurnRunner
 from .content import check_tool_choice, name_tool_messages, offer_tools, text_of, tool_choice_control
-from .context import turn_request
+from .context import DialectContext, turn_request
 from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .models import ChatCompletionRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
@@ -113,19 +112,9 @@ def messages_to_conversation(messages: list[dict[str, Any]]) -> tuple[list[Messa
 
 
 @dataclass
-class ChatContext:
+class ChatContext(DialectContext):
     req: ChatCompletionRequest
-    turn: TurnRequest
-    fmt: ChatFormat
     created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def turn_id(self) -> str:
-        return self.turn.turn_id
-
-    @property
-    def model(self) -> str:
-        return self.turn.model
 
     def present(self, result: TurnResult) -> Presentation:
         body = completion_body(self, result)

@@ -5,9 +5,12 @@ the Splice id that names the previous turn, the turn id."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from tokenization import ChatFormat
 
 from ..errors import bad_request
 from ..ids import new_turn_id, turn_id_from
@@ -118,3 +121,20 @@ def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[
         tools_not_offered=list(not_offered or ()),
         controls_not_enforced={k: v for k, v in (controls or {}).items() if v is not None},
     )
+
+
+@dataclass
+class DialectContext:
+    """What every dialect keeps about one request while its turn runs: the session layer's
+    request and the chat format its output is decoded with. Dialects add their own fields."""
+
+    turn: TurnRequest
+    fmt: ChatFormat
+
+    @property
+    def turn_id(self) -> str:
+        return self.turn.turn_id
+
+    @property
+    def model(self) -> str:
+        return self.turn.model

@@ -22,14 +22,13 @@ import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenization import ChatFormat
 from tokenization.conversation import Message, ToolCall
 
 from ..errors import APIError, bad_request
 from ..ids import message_id, tool_use_id
-from ..session import Presentation, TurnRequest, TurnResult, TurnRunner
+from ..session import Presentation, TurnResult, TurnRunner
 from .content import ToolSet, name_tool_messages, offer_tools, text_of
-from .context import turn_request
+from .context import DialectContext, turn_request
 from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .output import splice_headers, splice_info, usage_of
 from .streaming import TurnStream, run_turn, streaming_response
@@ -234,20 +233,10 @@ def messages_controls(req: MessagesRequest) -> dict[str, Any]:
 
 
 @dataclass
-class MessagesContext:
+class MessagesContext(DialectContext):
     req: MessagesRequest
-    turn: TurnRequest
-    fmt: ChatFormat
     toolset: ToolSet
     created_at: float = field(default_factory=time.time)
-
-    @property
-    def turn_id(self) -> str:
-        return self.turn.turn_id
-
-    @property
-    def model(self) -> str:
-        return self.turn.model
 
     def present(self, result: TurnResult) -> Presentation:
         body = message_body(self, result)

@@ -19,14 +19,13 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 
-from tokenization import ChatFormat
 from tokenization.conversation import Message, ToolCall
 
 from ..errors import APIError, bad_request, not_found
 from ..ids import call_id, custom_call_item_id, function_call_item_id, message_id, reasoning_id, response_id, turn_id_from
-from ..session import Presentation, TurnRequest, TurnResult, TurnRunner, returned_message
+from ..session import Presentation, TurnResult, TurnRunner, returned_message
 from .content import ToolSet, check_tool_choice, custom_arguments, custom_input, name_tool_messages, offer_tools, text_of, tool_choice_control
-from .context import turn_request
+from .context import DialectContext, turn_request
 from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .models import ResponsesRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
@@ -248,24 +247,14 @@ def resolve_item_references(store: ResponseReader, items: list[dict[str, Any]]) 
 
 
 @dataclass
-class ResponsesContext:
+class ResponsesContext(DialectContext):
     """Everything about one request the output side needs."""
 
     req: ResponsesRequest
-    turn: TurnRequest
     history: list[Message]  # previous conversation + this input (without instructions)
     tools_echo: list[dict[str, Any]]
-    fmt: ChatFormat
     created_at: float = field(default_factory=time.time)
     toolset: ToolSet = field(default_factory=ToolSet)
-
-    @property
-    def turn_id(self) -> str:
-        return self.turn.turn_id
-
-    @property
-    def model(self) -> str:
-        return self.turn.model
 
     def present(self, result: TurnResult) -> Presentation:
         return present_response(self, result)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 

@@ -479,5 +479,22 @@ class FixedPool:
     async def prefill_logprobs(self, input_ids, start, *, session_id):
         return [-0.5] * (len(input_ids) - start)
 
+    # the admin surface, as the weight-update routes use it
+    async def pause(self):
+        self.paused = True
+
+    async def resume(self):
+        self.paused = False
+
+    async def update_weights(self, model_path, version, **_kw):
+        self.version = int(version)
+        return {}
+
+    def set_version(self, version, **_kw):
+        self.version = int(version)
+
+    async def announce_version(self, version, **_kw):
+        self.set_version(version)
+
     def status(self):
         return {"in_flight": 0}

@@ -11,7 +11,6 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-from engines.types import Generation
 from proxy.app import create_app
 from proxy.settings import Settings
 from tests.fakes.engines import FixedPool
@@ -31,9 +30,6 @@ class CountingPool(FixedPool):
     async def generate(self, input_ids, params, *, session_id, on_tokens=None):
         self.calls += 1
         return await super().generate(input_ids, params, session_id=session_id, on_tokens=on_tokens)
-
-    def set_version(self, v, **_kw):
-        self.version = int(v)
 
 
 def make_client(tmp_path, pool=None, **settings):

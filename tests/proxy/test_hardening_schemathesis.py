@@ -19,23 +19,6 @@ from proxy.store import Store
 from tests.fakes.engines import FixedPool
 from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir
 
-class AdminFixedPool(FixedPool):
-    """``FixedPool`` with the weight-update protocol (no engine behind it)."""
-
-    async def pause(self):
-        self.paused = True
-
-    async def resume(self):
-        self.paused = False
-
-    async def update_weights(self, model_path, version, **_kw):
-        self.version = int(version)
-        return {}
-
-    def set_version(self, version, **_kw):
-        self.version = int(version)
-
-
 _TOK = load_tokenizer(str(qwen3_tokenizer_dir()))
 _PATH = str(Path(tempfile.mkdtemp(prefix="splice-schemathesis-")) / "s.sqlite")
 _STORE = Store(_PATH)
@@ -43,7 +26,7 @@ _STORE.close = lambda: None  # the ASGI client runs the app's lifespan around ev
 APP = create_app(
     Settings(store=_PATH, max_context=4096, admin_token=None, api_key=None),
     fmt=ChatFormat(_TOK, "qwen3"),
-    pool=AdminFixedPool(_TOK.encode("ok<|im_end|>", add_special_tokens=False)),
+    pool=FixedPool(_TOK.encode("ok<|im_end|>", add_special_tokens=False)),
     store=_STORE,
 )
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)

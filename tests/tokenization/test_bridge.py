@@ -1,6 +1,6 @@
 """The bridge: refusals with reasons, the generic bridge against the full render, no re-renders."""
 
-from tokenization import Message, Tool, ToolCall
+from tokenization import Message, Tool
 
 from .helpers import assistant_from, spliced_prompt
 

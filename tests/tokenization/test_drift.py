@@ -6,7 +6,6 @@ These are the ways seed 004's 48/48 tool-using turns broke prefix stability.
 import json
 import unicodedata
 
-import pytest
 
 from tokenization import Message, Tool, ToolCall
 
