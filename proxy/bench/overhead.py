@@ -30,6 +30,8 @@ from pathlib import Path
 
 from engines.reference.launch import free_port
 
+from .stack import REPLY_TEXT, start_splice, start_standin, wait_http
+
 HERE = Path(__file__).resolve().parent
 LITELLM_VENV = Path.home() / ".cache" / "splice" / "bench-venv-litellm"
 STAGES = ("bridge", "render", "parse", "commit")
@@ -50,23 +52,6 @@ def add_parser(sub) -> None:
 
 
 # ---------------------------------------------------------------- processes
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> str | None:
-    """None once ``url`` answers; otherwise why not."""
-    import httpx
-
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            return f"exited with {proc.returncode}"
-        try:
-            if httpx.get(url, timeout=2.0).status_code < 500:
-                return None
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    return f"did not answer {url} in {timeout:.0f}s"
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -150,7 +135,7 @@ def _litellm_start(tmp: str, upstream: str, key: str, procs: list) -> tuple[str 
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     procs.append(proc)
     url = f"http://127.0.0.1:{port}"
-    why = _wait_http(url + "/health/liveliness", proc, timeout=120.0)
+    why = wait_http(url + "/health/liveliness", proc, timeout=120.0)
     if why:
         tail = Path(log.name).read_text(errors="replace")[-400:]
         return None, proc, f"did not start ({why}): {tail}"
@@ -231,8 +216,7 @@ def run(args) -> dict:
     tok_dir = str(qwen3_tokenizer_dir())
     tok = load_tokenizer(tok_dir)
     cf = ChatFormat(tok, "qwen3")
-    text = '<think>\nI should call f.\n</think>\n\n<tool_call>\n{"name":"f","arguments":{"x":1}}\n</tool_call><|im_end|>'
-    out_ids = list(tok.encode(text, add_special_tokens=False))
+    out_ids = list(tok.encode(REPLY_TEXT, add_special_tokens=False))
     prompt_ids = cf.render([Message(role="system", content=SYSTEM), Message(role="user", content=USER)], [Tool(**TOOL)])
     tail_ids = list(tok.encode('\n<|im_start|>user\n<tool_response>\n{"step": 0, "ok": true}\n</tool_response><|im_end|>\n'
                                "<|im_start|>assistant\n", add_special_tokens=False))
@@ -245,23 +229,10 @@ def run(args) -> dict:
     runs: list[dict] = []
     litellm_note = "skipped (--no-litellm)"
     try:
-        spec_path = os.path.join(tmp, "standin.json")
-        with open(spec_path, "w") as f:
-            json.dump({"out_ids": out_ids, "stop_id": tok.convert_tokens_to_ids("<|im_end|>"), "reasoning": "I should call f.",
-                       "tool_call": {"name": "f", "arguments": '{"x": 1}'}}, f)
-        sport = free_port()
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "standin.py"), str(sport), spec_path]))
-        surl = f"http://127.0.0.1:{sport}"
-        if why := _wait_http(surl + "/health", procs[-1]):
-            raise SystemExit(f"engine stand-in: {why}")
-
-        pport = free_port()
-        env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        splice = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
-             "serve", "--engine", "sglang", "--engine-url", surl, "--tokenizer", tok_dir, "--renderer", "qwen3",
-             "--store", os.path.join(tmp, "splice.sqlite"), "--host", "127.0.0.1", "--port", str(pport)], env=env)
-        procs.append(splice)
+        surl = start_standin(tmp, tok, out_ids, procs)
+        sport = int(surl.rsplit(":", 1)[1])
+        pport = start_splice(tmp, surl, tok_dir, procs)
+        splice = procs[-1]
         purl = f"http://127.0.0.1:{pport}"
 
         lurl = lproc = None
@@ -270,7 +241,7 @@ def run(args) -> dict:
             lurl, lproc, litellm_note = _litellm_start(tmp, surl, lkey, procs)
             if not lurl:
                 print(f"LiteLLM: {litellm_note}; continuing without it.", flush=True)
-        if why := _wait_http(purl + "/v1/models", splice):
+        if why := wait_http(purl + "/v1/models", splice):
             raise SystemExit(f"splice serve: {why}")
 
         targets = [

@@ -16,19 +16,16 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import orjson
 
-from engines.reference.launch import free_port
-
 from .loadgen import Conn
-from .overhead import SYSTEM, TOOL, USER, _wait_http
+from .overhead import SYSTEM, TOOL, USER
+from .stack import REPLY_TEXT, start_splice, start_standin, wait_http
 
-HERE = Path(__file__).resolve().parent
 
 
 def add_parser(sub) -> None:
@@ -171,29 +168,14 @@ def run(args) -> dict:
 
     tok_dir = str(qwen3_tokenizer_dir())
     tok = load_tokenizer(tok_dir)
-    text = '<think>\nI should call f.\n</think>\n\n<tool_call>\n{"name":"f","arguments":{"x":1}}\n</tool_call><|im_end|>'
-    out_ids = list(tok.encode(text, add_special_tokens=False))
+    out_ids = list(tok.encode(REPLY_TEXT, add_special_tokens=False))
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="splice_bench_soak_")
     try:
-        spec_path = os.path.join(tmp, "standin.json")
-        with open(spec_path, "w") as f:
-            json.dump({"out_ids": out_ids, "stop_id": tok.convert_tokens_to_ids("<|im_end|>"), "reasoning": "I should call f.",
-                       "tool_call": {"name": "f", "arguments": '{"x": 1}'}}, f)  # fmt: skip
-        sport = free_port()
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "standin.py"), str(sport), spec_path]))
-        surl = f"http://127.0.0.1:{sport}"
-        if why := _wait_http(surl + "/health", procs[-1]):
-            raise SystemExit(f"engine stand-in: {why}")
-        pport = free_port()
-        env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        splice = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
-             "serve", "--engine", "sglang", "--engine-url", surl, "--tokenizer", tok_dir, "--renderer", "qwen3",
-             "--store", os.path.join(tmp, "splice.sqlite"), "--host", "127.0.0.1", "--port", str(pport),
-             "--max-context", "32768"], env=env)  # fmt: skip
-        procs.append(splice)
-        if why := _wait_http(f"http://127.0.0.1:{pport}/v1/models", splice):
+        surl = start_standin(tmp, tok, out_ids, procs)
+        pport = start_splice(tmp, surl, tok_dir, procs, ["--max-context", "32768"])
+        splice = procs[-1]
+        if why := wait_http(f"http://127.0.0.1:{pport}/v1/models", splice):
             raise SystemExit(f"splice serve: {why}")
 
         driver = Driver(pport, args)

@@ -1,0 +1,60 @@
+"""The benchmarks' system under test: a zero-latency engine stand-in (``standin.py``, its own
+process) and ``splice serve`` in front of it, on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engines.reference.launch import free_port
+
+HERE = Path(__file__).resolve().parent
+# What the stand-in answers every turn with: reasoning, then one tool call.
+REPLY_TEXT = '<think>\nI should call f.\n</think>\n\n<tool_call>\n{"name":"f","arguments":{"x":1}}\n</tool_call><|im_end|>'
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> str | None:
+    """None once ``url`` answers; otherwise why not."""
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        try:
+            if httpx.get(url, timeout=2.0).status_code < 500:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return f"did not answer {url} in {timeout:.0f}s"
+
+
+def start_standin(tmp: str, tok, out_ids: list[int], procs: list[subprocess.Popen]) -> str:
+    """Start the stand-in (appended to ``procs``); returns its URL."""
+    spec_path = os.path.join(tmp, "standin.json")
+    with open(spec_path, "w") as f:
+        json.dump({"out_ids": out_ids, "stop_id": tok.convert_tokens_to_ids("<|im_end|>"), "reasoning": "I should call f.",
+                   "tool_call": {"name": "f", "arguments": '{"x": 1}'}}, f)  # fmt: skip
+    port = free_port()
+    procs.append(subprocess.Popen([sys.executable, str(HERE / "standin.py"), str(port), spec_path]))
+    url = f"http://127.0.0.1:{port}"
+    if why := wait_http(url + "/health", procs[-1]):
+        raise SystemExit(f"engine stand-in: {why}")
+    return url
+
+
+def start_splice(tmp: str, engine_url: str, tok_dir: str, procs: list[subprocess.Popen], extra: list[str] = ()) -> int:
+    """``splice serve`` in front of ``engine_url`` (appended to ``procs``, not yet waited for); returns its port."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs.append(subprocess.Popen(
+        [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
+         "serve", "--engine", "sglang", "--engine-url", engine_url, "--tokenizer", tok_dir, "--renderer", "qwen3",
+         "--store", os.path.join(tmp, "splice.sqlite"), "--host", "127.0.0.1", "--port", str(port), *extra], env=env,
+    ))  # fmt: skip
+    return port
