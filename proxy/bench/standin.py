@@ -61,6 +61,8 @@ def make_app(spec: dict):
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": prompt_tokens + n_out},
         })
 
+    _POST_ONLY = {"/generate", "/pause_generation", "/continue_generation", "/update_weights_from_disk", "/abort_request"}
+
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
             while True:
@@ -77,7 +79,10 @@ def make_app(spec: dict):
             if not m.get("more_body"):
                 break
         path = scope["path"]
-        if path == "/generate":
+        status = 200
+        if scope["method"] == "GET" and path in _POST_ONLY:  # how engine facts tell a route exists
+            data, status = b'{"detail": "Method Not Allowed"}', 405
+        elif path == "/generate":
             data = generate(body)
         elif path in ("/v1/chat/completions", "/chat/completions"):
             data = chat(body)
@@ -90,7 +95,7 @@ def make_app(spec: dict):
             data = models
         else:
             data = ok
-        await send({"type": "http.response.start", "status": 200,
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 

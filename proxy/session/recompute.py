@@ -62,34 +62,43 @@ async def recompute_owed_report(
     session_id_for: Callable[[TurnRecord], str] = lambda t: t.session_id,
     concurrency: int = 2,
 ) -> RecomputeReport:
-    """Recompute every owed turn (see module docstring); commits turn by turn."""
-    owed = store.turns.owed(version)
+    """Recompute every owed turn (see module docstring); commits turn by turn.
+
+    ``concurrency`` workers take owed turns one at a time, loading each only when its prefill
+    starts: memory stays bounded however much is owed."""
+    owed = store.turns.owed_ids(version)
     report = RecomputeReport(turns=len(owed))
-    gate = asyncio.Semaphore(max(1, concurrency))
+    queue = iter(owed)
 
-    async def one(turn: TurnRecord) -> None:
-        try:
-            async with gate:
-                values = await pool.prefill_logprobs(
-                    input_ids=turn.prompt_ids + turn.output_ids,
-                    start=len(turn.prompt_ids),
-                    session_id=session_id_for(turn),
-                )
-            # Re-read: another recompute may have filled some tokens while we awaited the engine.
-            fresh = store.turns.get(turn.turn_id)
-            if fresh is None:
-                raise NotFound(f"turn {turn.turn_id} disappeared")
-            prox, prox_versions, changed = apply_prefill(fresh, list(values), version)
-            if changed:
-                store.turns.update_proximal(turn.turn_id, prox, prox_versions)
-            report.tokens += changed
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # an engine error must not stop the others; the turn stays owed
-            report.failures += 1
-            log.warning("recompute of turn %s (session %s) under v%d failed: %s", turn.turn_id, turn.session_id, version, exc)
+    async def one(turn_id: str) -> None:
+        turn = store.turns.get(turn_id)
+        if turn is None:
+            raise NotFound(f"turn {turn_id} disappeared")
+        values = await pool.prefill_logprobs(
+            input_ids=turn.prompt_ids + turn.output_ids,
+            start=len(turn.prompt_ids),
+            session_id=session_id_for(turn),
+        )
+        # Re-read: another recompute may have filled some tokens while we awaited the engine.
+        fresh = store.turns.get(turn_id)
+        if fresh is None:
+            raise NotFound(f"turn {turn_id} disappeared")
+        prox, prox_versions, changed = apply_prefill(fresh, list(values), version)
+        if changed:
+            store.turns.update_proximal(turn_id, prox, prox_versions)
+        report.tokens += changed
 
-    await asyncio.gather(*(one(t) for t in owed))
+    async def worker() -> None:
+        for turn_id in queue:  # one shared iterator: each turn goes to exactly one worker
+            try:
+                await one(turn_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # an engine error must not stop the others; the turn stays owed
+                report.failures += 1
+                log.warning("recompute of turn %s under v%d failed: %s", turn_id, version, exc)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
     if report.failures:
         log.warning("recompute under v%d: %d of %d turns failed, %d tokens updated", version, report.failures, report.turns, report.tokens)
     return report

@@ -228,10 +228,16 @@ class TurnTable:
         with self.db.read(snapshot=True) as c:
             return self._from_rows(c, _owed_rows(c, version))
 
+    def owed_ids(self, version: int) -> list[str]:
+        """The ids of ``owed(version)``, oldest first, without decoding any tokens: a recompute
+        loads one turn at a time, so its memory does not grow with how much is owed."""
+        with self.db.read(snapshot=True) as c:
+            return [turn_id for turn_id, *_ in _owed_rows(c, version, light=True)]
+
     def owed_count(self, version: int) -> int:
         """``len(owed(version))`` without decoding prompts (for status pages)."""
         with self.db.read(snapshot=True) as c:
-            return len(_owed_rows(c, version))
+            return len(_owed_rows(c, version, light=True))
 
     # ------------------------------------------------------------ prompt prefixes
 
@@ -314,18 +320,25 @@ def write_proximal(c, seq: int, logprobs, versions, prox, prox_versions) -> None
         c.execute("DELETE FROM pending WHERE turn_seq = ?", (seq,))
 
 
-def _owed_rows(c, version: int) -> list:
+def _owed_rows(c, version: int, *, light: bool = False) -> list:
+    """Owed turns' full rows, or with ``light`` only ``(turn_id, versions, prox_versions)``."""
     owed = version - 1
+    head = (
+        "SELECT t.turn_id, t.versions, p.prox_versions FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq "
+        if light
+        else SELECT
+    )
     rows = c.execute(
-        SELECT + "JOIN pending q ON q.turn_seq = t.seq JOIN sessions s ON s.session_id = t.session_id "
+        head + "JOIN pending q ON q.turn_seq = t.seq JOIN sessions s ON s.session_id = t.session_id "
         "WHERE q.vmax >= ? AND q.vmin <= ? AND s.acked = 0 "
         "AND NOT EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq) ORDER BY t.seq",
         (owed, owed),
     ).fetchall()
+    vi, pi = (1, 2) if light else (11, 13)
     result = []
     for r in rows:  # the columns only bound the versions; check token by token
-        versions = unpack_runs(r[11])
-        pv = versions if r[13] is None else unpack_runs(r[13])
+        versions = unpack_runs(r[vi])
+        pv = versions if r[pi] is None else unpack_runs(r[pi])
         if np.any((versions == owed) & (pv == versions)):
             result.append(r)
     return result
