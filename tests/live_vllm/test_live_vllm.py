@@ -12,7 +12,6 @@ import time
 import uuid
 
 import httpx
-import pytest
 
 from vllm_live_support import MAX_MODEL_LEN, TIMINGS
 
@@ -164,31 +163,48 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
     """A long streamed generation; mid-way the proxy pauses vLLM, reloads weights from disk
     (collective_rpc reload_weights) as v1 and resumes. The v0 tokens' proximal values (R1) and
     every finished v0 turn's (R2) equal vLLM's prompt logprobs under v1."""
-    sid = "live-r1-" + uuid.uuid4().hex[:8]
-    seen = threading.Event()
-    result: dict = {}
 
-    def run_stream():
+    def run_stream(sid: str, seen: threading.Event, result: dict) -> None:
         oa = client(proxy)
         n = 0
         stream = oa.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Write a long story."}], max_tokens=160,
+            model="tiny", messages=[{"role": "user", "content": "Write a long story."}], max_tokens=400,
             stream=True, extra_headers={"X-Session-Id": sid},
         )  # fmt: skip
         for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
+            delta = chunk.choices[0].delta.model_dump() if chunk.choices else {}
+            if delta.get("content") or delta.get("reasoning_content"):  # a random model may think first
                 n += 1
-                if n >= 8:
+                if n >= 2:
                     seen.set()
         result["chunks"] = n
 
-    th = threading.Thread(target=run_stream)
-    th.start()
-    assert seen.wait(120), "the generation did not start streaming"
-    t0 = time.monotonic()
-    for path, body in (("/admin/pause", None), ("/admin/update_weights", {"model_path": str(models[1]), "version": 1}), ("/admin/resume", None)):
+    def post(path: str, body=None) -> None:
         r = httpx.post(proxy + path, json=body, timeout=300)
         assert r.status_code == 200, (path, r.text)
+
+    # vLLM can finish all 400 tokens before the client has read two of them: then the pause finds
+    # nothing in flight. Such an attempt resumes without touching the weights and starts over, so
+    # the update below always lands on a generation the proxy is holding mid-way.
+    for _attempt in range(6):
+        sid, seen, result = "live-r1-" + uuid.uuid4().hex[:8], threading.Event(), {}
+        th = threading.Thread(target=run_stream, args=(sid, seen, result))
+        th.start()
+        assert seen.wait(120), "the generation did not start streaming"
+        t0 = time.monotonic()
+        post("/admin/pause")
+        held = False
+        while time.monotonic() - t0 < 5 and th.is_alive() and not held:
+            held = httpx.get(proxy + "/admin/status").json()["engines"].get("held", 0) >= 1
+            time.sleep(0.01)
+        if held:
+            break
+        post("/admin/resume")
+        th.join(300)
+    else:
+        raise AssertionError("the pause never landed mid-generation in 6 attempts")
+    post("/admin/update_weights", {"model_path": str(models[1]), "version": 1})
+    post("/admin/resume")
     TIMINGS["pause_reload_resume_s"] = time.monotonic() - t0
     th.join(300)
     assert not th.is_alive()
