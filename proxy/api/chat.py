@@ -11,7 +11,6 @@ chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from fastapi import APIRouter, Request
 from tokenization.conversation import Message, ToolCall
 from tokenization.incremental import CONTENT, REASONING, StopTextFilter, StrippedText
 
-from ..errors import bad_request
+from ..errors import APIError, bad_request
 from ..ids import call_id, chat_completion_id
 from ..session import Presentation, TurnResult, TurnRunner
 from .content import check_tool_choice, name_tool_messages, offer_tools, text_of, tool_choice_control
@@ -31,7 +30,7 @@ from .context import DialectContext, turn_request
 from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .models import ChatCompletionRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
-from .streaming import DONE, TurnStream, run_turn, sse_data, streaming_response, to_api_error
+from .streaming import DONE, TurnStream, relay, run_turn, sse_data, streaming_response
 
 log = logging.getLogger("splice.chat")
 
@@ -257,46 +256,45 @@ class ChunkWriter:
         return self.chunk({"content": d}) if d else None
 
 
-async def stream_chat(ctx: ChatContext, stream: TurnStream) -> AsyncIterator[bytes]:
+def stream_chat(ctx: ChatContext, stream: TurnStream) -> AsyncIterator[bytes]:
+    """The chunk sequence; a failure after the first chunk ends it with an error chunk and [DONE]."""
+    return relay(_chunks(ctx, stream), stream, _error_chunk, f"chat completion {chat_completion_id(ctx.turn_id)}")
+
+
+def _error_chunk(err: APIError) -> bytes:
+    return sse_data(err.body()) + DONE
+
+
+async def _chunks(ctx: ChatContext, stream: TurnStream) -> AsyncIterator[bytes]:
     opts = ctx.req.stream_options
     w = ChunkWriter(ctx, bool(opts and opts.include_usage))
     dec = ctx.fmt.decoder(template_kwargs=ctx.turn.chat_template_kwargs)
-    try:
-        yield w.role()
-        async for batch in stream.batches():
-            frames = [f for ch, t in dec.feed(batch) if (f := w.text(ch, t)) is not None]
-            if frames:
-                yield b"".join(frames)
-        frames = [f for ch, t in dec.finish() if (f := w.text(ch, t)) is not None]
-        if (f := w.flush_stop()) is not None:
-            frames.append(f)
-        result = stream.result()
-        p = result.parsed
-        for stream_text, final, key in ((w.reasoning, p.reasoning or "", "reasoning_content"), (w.content, p.content, "content")):
-            rest = stream_text.remainder(final)
-            if rest:
-                frames.append(w.chunk({key: rest}))
-            elif rest is None:
-                log.warning("streamed %s of %s differs from the parsed output", key, ctx.turn_id)
-        for k, c in enumerate(p.tool_calls):
-            cid = call_id(ctx.turn_id, k)
-            frames.append(w.chunk({"tool_calls": [{"index": k, "id": cid, "type": "function", "function": {"name": c.name, "arguments": ""}}]}))
-            frames.append(w.chunk({"tool_calls": [{"index": k, "function": {"arguments": c.arguments}}]}))
-        frames.append(w.chunk({}, finish_reason=finish_reason_of(result), logprobs=result.body["choices"][0]["logprobs"], splice=splice_info(result, ctx.turn)))
-        if w.include_usage:
-            usage = dict(w.base, choices=[], usage=result.body["usage"])
-            frames.append(sse_data(usage))
-        frames.append(DONE)
-        yield b"".join(frames)
-    except asyncio.CancelledError:
-        stream.cancel()
-        raise
-    except Exception as exc:  # noqa: BLE001 - after the stream started, errors go in-band
-        err = to_api_error(exc)
-        log.warning("streamed chat completion %s failed: %s", chat_completion_id(ctx.turn_id), err.message)
-        yield sse_data(err.body()) + DONE
-    finally:
-        stream.cancel()
+    yield w.role()
+    async for batch in stream.batches():
+        frames = [f for ch, t in dec.feed(batch) if (f := w.text(ch, t)) is not None]
+        if frames:
+            yield b"".join(frames)
+    frames = [f for ch, t in dec.finish() if (f := w.text(ch, t)) is not None]
+    if (f := w.flush_stop()) is not None:
+        frames.append(f)
+    result = stream.result()
+    p = result.parsed
+    for stream_text, final, key in ((w.reasoning, p.reasoning or "", "reasoning_content"), (w.content, p.content, "content")):
+        rest = stream_text.remainder(final)
+        if rest:
+            frames.append(w.chunk({key: rest}))
+        elif rest is None:
+            log.warning("streamed %s of %s differs from the parsed output", key, ctx.turn_id)
+    for k, c in enumerate(p.tool_calls):
+        cid = call_id(ctx.turn_id, k)
+        frames.append(w.chunk({"tool_calls": [{"index": k, "id": cid, "type": "function", "function": {"name": c.name, "arguments": ""}}]}))
+        frames.append(w.chunk({"tool_calls": [{"index": k, "function": {"arguments": c.arguments}}]}))
+    frames.append(w.chunk({}, finish_reason=finish_reason_of(result), logprobs=result.body["choices"][0]["logprobs"], splice=splice_info(result, ctx.turn)))
+    if w.include_usage:
+        usage = dict(w.base, choices=[], usage=result.body["usage"])
+        frames.append(sse_data(usage))
+    frames.append(DONE)
+    yield b"".join(frames)
 
 
 # ============================================================================ router

@@ -7,16 +7,16 @@ well-formed when it is complete). A failure after the stream started is an ``err
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, AsyncIterator
 
 from tokenization.incremental import CONTENT, REASONING, StopTextFilter, StrippedText
 
+from ..errors import APIError
 from ..ids import message_id
 from .jsonio import dumps
 from .messages import MessagesContext, anthropic_error, message_skeleton
-from .streaming import TurnStream, sse_event, to_api_error
+from .streaming import TurnStream, relay, sse_event
 
 log = logging.getLogger("splice.messages")
 
@@ -129,8 +129,18 @@ class MessageEventWriter:
         ]
 
 
-async def stream_message(ctx: MessagesContext, stream: TurnStream) -> AsyncIterator[bytes]:
+def stream_message(ctx: MessagesContext, stream: TurnStream) -> AsyncIterator[bytes]:
+    """Anthropic's event sequence; a failure after ``message_start`` ends it with an ``error`` event."""
     w = MessageEventWriter(ctx)
+    return relay(_events(ctx, stream, w), stream, _error_event, f"message {message_id(ctx.turn_id)}")
+
+
+def _error_event(err: APIError) -> bytes:
+    _status, payload = anthropic_error(err.status, err.message)
+    return sse_event("error", payload)
+
+
+async def _events(ctx: MessagesContext, stream: TurnStream, w: MessageEventWriter) -> AsyncIterator[bytes]:
     dec = ctx.fmt.decoder(template_kwargs=ctx.turn.chat_template_kwargs)
 
     def frames_of(events) -> list[bytes]:
@@ -144,31 +154,20 @@ async def stream_message(ctx: MessagesContext, stream: TurnStream) -> AsyncItera
                 out += w.close_thinking(None) if w.open == "thinking" else []
         return out
 
-    try:
-        yield b"".join(w.start())
-        async for batch in stream.batches():
-            frames = frames_of(dec.feed(batch))
-            if frames:
-                yield b"".join(frames)
-        frames = frames_of(dec.finish())
-        result = stream.result()
-        body = result.body
-        p = result.parsed
-        frames += w.close_thinking(p.reasoning or "")
-        if p.content or not p.tool_calls or w.text_opened:
-            frames += w.close_text(p.content)
-        for block in body["content"]:
-            if block["type"] == "tool_use":
-                frames += w.tool_use(block)
-        frames += w.finish(body)
-        yield b"".join(frames)
-    except asyncio.CancelledError:
-        stream.cancel()
-        raise
-    except Exception as exc:  # noqa: BLE001 - after the stream started, errors go in-band
-        err = to_api_error(exc)
-        log.warning("streamed message %s failed: %s", message_id(ctx.turn_id), err.message)
-        _status, payload = anthropic_error(err.status, err.message)
-        yield sse_event("error", payload)
-    finally:
-        stream.cancel()
+    yield b"".join(w.start())
+    async for batch in stream.batches():
+        frames = frames_of(dec.feed(batch))
+        if frames:
+            yield b"".join(frames)
+    frames = frames_of(dec.finish())
+    result = stream.result()
+    body = result.body
+    p = result.parsed
+    frames += w.close_thinking(p.reasoning or "")
+    if p.content or not p.tool_calls or w.text_opened:
+        frames += w.close_text(p.content)
+    for block in body["content"]:
+        if block["type"] == "tool_use":
+            frames += w.tool_use(block)
+    frames += w.finish(body)
+    yield b"".join(frames)

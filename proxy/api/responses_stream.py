@@ -5,7 +5,6 @@ the turn committed. ``sequence_number`` increases monotonically."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, AsyncIterator
 
@@ -14,7 +13,7 @@ from tokenization.incremental import CONTENT, REASONING, IncrementalDecoder, Str
 from ..errors import APIError
 from ..ids import message_id, reasoning_id, response_id
 from .responses import ResponsesContext, message_item, output_text_part, reasoning_item, response_skeleton, tool_call_item
-from .streaming import TurnStream, sse_event, to_api_error
+from .streaming import TurnStream, relay, sse_event
 
 log = logging.getLogger("splice.responses")
 
@@ -171,47 +170,42 @@ class ResponseEventWriter:
         return self.event("response.failed", response=body)
 
 
-async def stream_response(ctx: ResponsesContext, stream: TurnStream) -> AsyncIterator[bytes]:
+def stream_response(ctx: ResponsesContext, stream: TurnStream) -> AsyncIterator[bytes]:
+    """The event sequence; a failure after ``response.created`` ends it with ``response.failed``."""
+    w = ResponseEventWriter(response_skeleton(ctx, ctx.turn_id), ctx.turn_id)
+    return relay(_events(ctx, stream, w), stream, w.failed, f"response {response_id(ctx.turn_id)}")
+
+
+async def _events(ctx: ResponsesContext, stream: TurnStream, w: ResponseEventWriter) -> AsyncIterator[bytes]:
     tid = ctx.turn_id
-    w = ResponseEventWriter(response_skeleton(ctx, tid), tid)
     dec = ctx.fmt.decoder(template_kwargs=ctx.turn.chat_template_kwargs)
-    try:
-        for chunk in w.start():
-            yield chunk
-        async for batch in stream.batches():
-            frames: list[bytes] = []
-            for channel, text in dec.feed(batch):
-                frames += _channel_frames(w, dec, channel, text)
-            if frames:
-                yield b"".join(frames)
-        frames = []
-        for channel, text in dec.finish():
+    for chunk in w.start():
+        yield chunk
+    async for batch in stream.batches():
+        frames: list[bytes] = []
+        for channel, text in dec.feed(batch):
             frames += _channel_frames(w, dec, channel, text)
-        result = stream.result()
-        body = result.body
-        p = result.parsed
-        status = "incomplete" if result.finish_reason == "length" else "completed"
-        lp = next((it["content"][0]["logprobs"] for it in body["output"] if it["type"] == "message"), None) or None
-        if p.reasoning or w.rs_index is not None:
-            frames += w.close_reasoning(p.reasoning or "")
-            if w.rs_index is not None and w.items[w.rs_index]["content"][0]["text"] != (p.reasoning or ""):
-                log.warning("streamed reasoning of %s differs from the parsed reasoning", tid)
-        w.rs_closed = True
-        if p.content or not p.tool_calls or w.msg_index is not None:
-            frames += w.close_message(p.content, status, lp)
-        for k, c in enumerate(p.tool_calls):
-            frames += w.function_call(k, c.name, c.arguments, ctx)
-        frames.append(w.finish(body))
-        yield b"".join(frames)
-    except asyncio.CancelledError:
-        stream.cancel()
-        raise
-    except Exception as exc:  # noqa: BLE001 - after the stream started, errors go in-band
-        err = to_api_error(exc)
-        log.warning("streamed response %s failed: %s", response_id(tid), err.message)
-        yield w.failed(err)
-    finally:
-        stream.cancel()
+        if frames:
+            yield b"".join(frames)
+    frames = []
+    for channel, text in dec.finish():
+        frames += _channel_frames(w, dec, channel, text)
+    result = stream.result()
+    body = result.body
+    p = result.parsed
+    status = "incomplete" if result.finish_reason == "length" else "completed"
+    lp = next((it["content"][0]["logprobs"] for it in body["output"] if it["type"] == "message"), None) or None
+    if p.reasoning or w.rs_index is not None:
+        frames += w.close_reasoning(p.reasoning or "")
+        if w.rs_index is not None and w.items[w.rs_index]["content"][0]["text"] != (p.reasoning or ""):
+            log.warning("streamed reasoning of %s differs from the parsed reasoning", tid)
+    w.rs_closed = True
+    if p.content or not p.tool_calls or w.msg_index is not None:
+        frames += w.close_message(p.content, status, lp)
+    for k, c in enumerate(p.tool_calls):
+        frames += w.function_call(k, c.name, c.arguments, ctx)
+    frames.append(w.finish(body))
+    yield b"".join(frames)
 
 
 def _channel_frames(w: ResponseEventWriter, dec: IncrementalDecoder, channel: str, text: str) -> list[bytes]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -160,6 +160,24 @@ async def run_turn(runner, req: TurnRequest, request=None) -> TurnResult:
         raise
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from exc
+
+
+async def relay(body: AsyncIterator[bytes], stream: "TurnStream", failed: Callable[[APIError], bytes], what: str) -> AsyncIterator[bytes]:
+    """The streaming skeleton every dialect shares: relay a dialect's frames; once the stream
+    has started, a failure ends it in-band with the dialect's failure frame (``failed``), and a
+    client that goes away stops the turn (the engine request is aborted)."""
+    try:
+        async for frame in body:
+            yield frame
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    except Exception as exc:  # noqa: BLE001 - after the stream started, errors go in-band
+        err = to_api_error(exc)
+        log.warning("streamed %s failed: %s", what, err.message)
+        yield failed(err)
+    finally:
+        stream.cancel()
 
 
 _END = object()
