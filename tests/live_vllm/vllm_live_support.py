@@ -27,8 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from engines.reference.launch import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 LIVE = os.environ.get("SPLICE_LIVE_VLLM") == "1"
@@ -134,17 +135,11 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited ({proc.returncode}); log:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s; log:\n{log.read_text()[-4000:]}")
+    """``engines.reference.launch.wait_healthy``, with the server's log in the error."""
+    try:
+        wait_healthy(url, timeout_s, alive=lambda: proc.poll() is None)
+    except (RuntimeError, TimeoutError) as exc:
+        raise type(exc)(f"{exc}; log:\n{log.read_text()[-4000:]}") from None
 
 
 def stop_process(proc: subprocess.Popen) -> None:
