@@ -120,6 +120,7 @@ class EnginePool:
         vnodes: int = 160,
         routing: str = "hash",
         sticky_capacity: int = 100_000,
+        prefill_concurrency: int = 2,
     ):
         kind = "sglang" if kind == "reference" else kind  # the reference engine speaks SGLang's API
         if kind not in ("sglang", "vllm"):
@@ -159,6 +160,12 @@ class EnginePool:
         self._model_path: str | None = None
         self._health_task: asyncio.Task | None = None
         self._info = EngineInfo()
+        if prefill_concurrency < 1:
+            raise ValueError("prefill_concurrency must be at least 1")
+        self.prefill_concurrency = int(prefill_concurrency)  # R2 prefills in flight per replica
+        self._prefill_slots: dict[str, asyncio.Semaphore] = {}
+        self.prefill_calls = 0  # R2 prefill-only calls sent (counted for /metrics and benches)
+        self.prefill_tokens = 0  # tokens those calls sent
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -381,18 +388,26 @@ class EnginePool:
         *,
         session_id: str,
         on_tokens: TokensCallback | None = None,
+        prompt_logprobs_from: int | None = None,
     ) -> Generation:
         """Generate until stop / length, riding through any number of pause-abort-resume cycles.
 
         ``on_tokens(ids, logprobs)`` receives output tokens as they are
         sampled (the call streams from the engine then). Raises ``EngineError``; its
         ``retryable`` is False once any token was produced.
+
+        ``prompt_logprobs_from=k`` (1 <= k < len(input_ids)) also asks the first engine call for
+        the input logprobs of prompt positions k.. (R2 on a session's next turn), returned in
+        ``Generation.prompt_logprobs`` with the version that computed them. Only ask when a
+        token there is owed a value: input logprobs cap the engine's prefix cache.
         """
+        if prompt_logprobs_from is not None and not 1 <= prompt_logprobs_from < len(input_ids):
+            prompt_logprobs_from = None  # nothing placeable: a plain call
         if self._closed:
             raise EngineUnavailable("the engine pool is closed")
         if self._info.context_length is not None:
             params = replace(params, max_new_tokens=self.max_new_tokens(len(input_ids), params.max_new_tokens))
-        stitch = Stitcher(list(input_ids), params)
+        stitch = Stitcher(list(input_ids), params, prompt_logprobs_from=prompt_logprobs_from)
         delivered = 0
 
         async def counting(ids: list[int], logprobs: list[float]) -> None:
@@ -514,9 +529,14 @@ class EnginePool:
             raise EnginePaused("engines are paused; prefill after resume")
         version = self._version
         ids = list(input_ids)
-        replica, (values, reported) = await self._call_with_failover(
-            session_id, lambda r: r.client.prefill(ids, start, routing_key=session_id), may_retry=lambda: True
-        )
+
+        async def call(r: Replica):
+            async with self._prefill_slot(r):  # bounded per replica: turns keep their share
+                self.prefill_calls += 1
+                self.prefill_tokens += len(ids)
+                return await r.client.prefill(ids, start, routing_key=session_id)
+
+        replica, (values, reported) = await self._call_with_failover(session_id, call, may_retry=lambda: True)
         if reported is None:
             reported = await self._read_version(replica)
         engine_version = parse_version(reported)
@@ -525,6 +545,12 @@ class EnginePool:
                 f"weights changed during the prefill (pool v{self._version}, engine {reported}, sent at v{version})"
             )
         return values
+
+    def _prefill_slot(self, r: Replica) -> asyncio.Semaphore:
+        slot = self._prefill_slots.get(r.url)
+        if slot is None:
+            slot = self._prefill_slots[r.url] = asyncio.Semaphore(self.prefill_concurrency)
+        return slot
 
     # -- admin ----------------------------------------------------------------------------------
 

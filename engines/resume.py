@@ -59,6 +59,8 @@ class Stitcher:
     prompt_ids: list[int]
     params: SamplingParams
     gen: Generation = field(default_factory=lambda: Generation(segments=0))
+    # R2 on the next turn: the first segment also asks for the prompt's input logprobs from here
+    prompt_logprobs_from: int | None = None
 
     @property
     def generated(self) -> int:
@@ -81,7 +83,10 @@ class Stitcher:
         """
         g = self.gen
         owed = any(v == version - 1 and pv < version for v, pv in zip(g.versions, g.proximal_versions))
-        return len(self.prompt_ids) if owed else None
+        frm = len(self.prompt_ids) if owed else None
+        if g.segments == 0 and self.prompt_logprobs_from is not None:
+            frm = self.prompt_logprobs_from if frm is None else min(frm, self.prompt_logprobs_from)
+        return frm
 
     def add(self, seg: Segment, fallback_version: int) -> None:
         """Fold one engine call's result in (proximal updates first, then the new tokens)."""
@@ -97,6 +102,8 @@ class Stitcher:
                 if value is not None:
                     g.proximal_logprobs_t[i] = value
                     g.proximal_versions[i] = prefill_version
+        if g.segments == 0 and self.prompt_logprobs_from is not None and seg.input_logprobs:
+            self._take_prompt_logprobs(seg, prefill_version)
         if g.segments == 0:
             g.prompt_tokens = seg.prompt_tokens or len(self.prompt_ids)
             g.cached_tokens = seg.cached_tokens
@@ -110,6 +117,18 @@ class Stitcher:
         g.matched_stop = seg.matched_stop
         if seg.finish_reason == "abort":
             g.aborts += 1
+
+    def _take_prompt_logprobs(self, seg: Segment, prefill_version: int) -> None:
+        """Keep the first segment's input logprobs of prompt positions [from, len(prompt))."""
+        k = self.prompt_logprobs_from
+        assert k is not None
+        lo = k - seg.input_logprobs_start
+        hi = len(self.prompt_ids) - seg.input_logprobs_start
+        if lo < 0 or hi > len(seg.input_logprobs):
+            return  # the engine answered for other positions: nothing placeable
+        self.gen.prompt_logprobs = list(seg.input_logprobs[lo:hi])
+        self.gen.prompt_logprobs_start = k
+        self.gen.prompt_logprobs_version = prefill_version
 
     def settle(self) -> bool:
         """True when finished for good: stopped, hit the length limit, or aborted with no budget

@@ -40,6 +40,12 @@ class Generation:
     segments: int = 1  # engine calls that produced tokens (1 + number of resumes)
     aborts: int = 0
     replica: str = ""  # base URL of the replica that served it
+    # Input logprobs of the *prompt* asked for with ``EnginePool.generate(prompt_logprobs_from=k)``
+    # (R2 on the next turn): ``prompt_logprobs[j]`` is log pi(prompt[k + j] | prompt[:k + j])
+    # under ``prompt_logprobs_version`` (None where the engine gave no value); empty when not asked.
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_logprobs_start: int = 0
+    prompt_logprobs_version: int | None = None
 
     def check(self) -> None:
         """Raise if per-token arrays disagree in length (an engine or stitching bug)."""

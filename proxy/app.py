@@ -40,8 +40,12 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
         default_max_tokens=settings.max_output_tokens,
     )  # fmt: skip
     drift = DriftChecker(fmt, store, metrics, settings.drift_check)
-    runner = TurnRunner(fmt, pool, store, metrics, sampling=sampling, drift=drift, model_name=settings.model_name)
-    recompute = RecomputeScheduler(store, pool, metrics)
+    recompute = RecomputeScheduler(
+        store, pool, metrics, deadline_s=settings.recompute_deadline_s, max_staleness=settings.max_staleness
+    )
+    runner = TurnRunner(
+        fmt, pool, store, metrics, sampling=sampling, drift=drift, model_name=settings.model_name, recompute=recompute
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

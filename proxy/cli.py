@@ -32,6 +32,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-context", type=int)
     p.add_argument("--max-output-tokens", type=int, help="cap on every turn's output (default: what fits in the context)")
     p.add_argument("--lease-timeout-s", type=float)
+    p.add_argument("--recompute-deadline-s", type=float, help="longest a pause or pull waits for owed proximal values (R2) before going ahead without them (default 60)")
+    p.add_argument("--recompute-concurrency", type=int, help="R2 prefill-only calls in flight per engine replica (default 2)")
+    p.add_argument("--max-staleness", type=int, metavar="K", help="a pull drops samples holding loss tokens older than current version - K (default: off)")
     p.add_argument("--engine-timeout-s", type=float, help="total deadline of one engine call, in seconds (default 600)")
     p.add_argument("--max-inflight", type=int, help="turns in flight before new ones wait (default: 128 per CPU core, 256-4096)")
     p.add_argument("--admission-wait-s", type=float, help="how long a turn beyond --max-inflight waits before 429 (default 2)")
@@ -90,7 +93,10 @@ def build(settings: Settings):
         ) from None
     name = renderer_name_for(settings.model_name, renderer) if renderer != "generic" else None
     fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention)
-    pool = EnginePool(kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s, routing=settings.routing)
+    pool = EnginePool(
+        kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s, routing=settings.routing,
+        prefill_concurrency=settings.recompute_concurrency,
+    )  # fmt: skip
     return settings, fmt, pool, engine_proc
 
 

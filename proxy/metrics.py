@@ -34,6 +34,25 @@ class Metrics:
         self.aborts = Counter("splice_aborts", "Engine aborts (weight updates) during generation", registry=r)
         self.resumes = Counter("splice_resumes", "Generations resumed after an abort", registry=r)
         self.recomputed = Counter("splice_recomputed_tokens", "Proximal logprobs recomputed (R2)", registry=r)
+        self.piggybacked = Counter(
+            "splice_piggybacked_tokens", "Proximal logprobs filled by a session's next turn's own engine call (R2)", registry=r
+        )
+        self.recompute_prefills = Counter("splice_recompute_prefills", "Prefill-only engine calls made for R2 (one per session leaf)", registry=r)
+        self.recompute_prefill_tokens = Counter("splice_recompute_prefill_tokens", "Tokens sent in R2 prefill-only calls", registry=r)
+        self.missing = Counter(
+            "splice_proximal_missing_tokens",
+            "Tokens a pause went ahead without (no proximal value under the next version: proximal == behaviour)",
+            registry=r,
+        )
+        self.stale_skipped = Counter(
+            "splice_recompute_stale_skipped_tokens", "Owed tokens not recomputed because their sample is past --max-staleness", registry=r
+        )
+        self.dropped_stale = Counter(
+            "splice_dropped_stale_samples", "Samples dropped at pull: loss tokens older than current - max_staleness", registry=r
+        )
+        self.pause_wait_seconds = Histogram(
+            "splice_pause_recompute_seconds", "Time a pause waited for owed proximal values", buckets=_LAT, registry=r
+        )
         self.sampling_overrides = Counter(
             "splice_sampling_overrides", "Requests whose sampling values were replaced by the trainable ones", registry=r
         )

@@ -39,6 +39,13 @@ class Settings(BaseSettings):
     max_context: int | None = None  # prompt + output tokens; default (and upper bound): the engine's own
     max_output_tokens: int | None = None  # caps every turn's output; None: as much as fits in the context
     lease_timeout_s: float = 600.0
+    # R2 (docs/design.md section 4): how long a pause (or a pull) waits for owed proximal values
+    # before going ahead without them (they are counted missing), and prefill-only calls in
+    # flight per engine replica.
+    recompute_deadline_s: float = Field(default=60.0, ge=0)
+    recompute_concurrency: int = Field(default=2, ge=1)
+    # A pull never hands out a sample holding loss tokens older than current version - K (None: off).
+    max_staleness: int | None = Field(default=None, ge=0)
     max_request_bytes: int = 32 * 1024 * 1024
     max_inflight: int = Field(default_factory=lambda: default_max_inflight())  # concurrent turns, then a wait, then 429
     admission_wait_s: float = 2.0  # how long a request beyond max_inflight waits for a slot before 429

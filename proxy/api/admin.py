@@ -46,18 +46,24 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
     async def recompute_owed():
         # A fleet publish runs this on every proxy before any proxy pauses: once one proxy has
         # paused the shared engines, another proxy's recompute would wait for them to continue.
-        return JSONResponse({"recomputed_tokens": await _engine(recompute.run()), "version": pool.version})
+        report = await _engine(recompute.settle())
+        return JSONResponse({"recomputed_tokens": report.tokens, "version": pool.version, "recompute": report.to_dict()})
 
     @r.post("/admin/pause")
     async def pause(request: Request):
-        owed = 0
-        if request.query_params.get("recompute", "true").lower() not in ("false", "0", "no"):
-            try:
-                owed = await recompute.run()
-            except EngineError as exc:
-                log.warning("recompute before pause failed: %s", exc)
+        # R2's deadline: owed values are settled first, waiting at most --recompute-deadline-s;
+        # what is not done then is counted missing and the pause goes ahead (never blocked).
+        run = request.query_params.get("recompute", "true").lower() not in ("false", "0", "no")
+        try:
+            report = await recompute.before_pause(recompute=run)
+        except EngineError as exc:
+            log.warning("recompute before pause failed: %s", exc)
+            report = None
         await _engine(pool.pause())
-        return JSONResponse({"paused": True, "version": pool.version, "recomputed_tokens": owed})
+        body = {"paused": True, "version": pool.version, "recomputed_tokens": report.tokens if report else 0}
+        if report is not None:
+            body["recompute"] = report.to_dict()
+        return JSONResponse(body)
 
     @r.post("/admin/update_weights", openapi_extra=body_schema(FleetUpdateWeightsBody))
     async def update_weights(request: Request):
@@ -70,7 +76,7 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
             raise bad_request(str(exc), param="engines") from exc
         metrics.version.set(pool.version)
         if not pool.paused:
-            recompute.soon()
+            recompute.soon()  # closed sessions now; open ones at their next turn or the next pause
         return JSONResponse({"success": True, "version": pool.version, **(report or {})})
 
     @r.post("/admin/version", openapi_extra=body_schema(FleetVersionBody))

@@ -14,6 +14,7 @@ from ..errors import APIError
 from ..session import RecomputeScheduler
 from ..settings import Settings
 from ..store import Conflict, NotFound, Store
+from ..store.staleness import StaleFilter
 from .jsonio import JSONResponse, body_schema, read_model
 from .models import AckBody, PullBody, RewardBody
 
@@ -84,16 +85,22 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
     async def pull(request: Request):
         body = await read_model(request, PullBody)
         deadline = time.monotonic() + body.wait_s
+        dropped = 0
         while True:
-            try:
-                await recompute.run()  # never hand out a token owed a value it could get now
+            try:  # R2's pull deadline: rewarded sessions' owed values first (bounded wait)
+                await recompute.settle(closed_only=True)
             except EngineError as exc:
                 log.warning("recompute before pull failed: %s", exc)
-            lease_id, samples = await asyncio.to_thread(store.pool.pull, body.max_samples, settings.lease_timeout_s)
+            stale = StaleFilter(recompute.min_version)
+            lease_id, samples = await asyncio.to_thread(store.pool.pull, body.max_samples, settings.lease_timeout_s, keep=stale.keep)
+            dropped += stale.dropped
             if samples or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
-        return JSONResponse({"lease_id": lease_id if samples else None, "samples": samples})
+        if dropped:
+            recompute.metrics.dropped_stale.inc(dropped)
+            log.info("pull dropped %d samples with loss tokens older than v%s (--max-staleness)", dropped, recompute.min_version)
+        return JSONResponse({"lease_id": lease_id if samples else None, "samples": samples, "dropped_stale": dropped})
 
     @r.post("/v1/trajectories/ack", openapi_extra=body_schema(AckBody))
     async def ack(request: Request):

@@ -1,10 +1,22 @@
 """R2 (docs/design.md section 4): give held tokens of version ``V-1`` their proximal logprob under ``V``.
 
 After the weights move to version ``V``, every stored token sampled by ``V-1`` that has no
-proximal value yet gets ``log pi_V(x_i | x_<i)`` from a prefill-only engine call, so the
-trainer's segment-wise importance weight uses the right policy. Run it right after a weight
-update (and before the next pause); a failed engine call leaves the turn as it was
-(``proximal == behaviour``, which the trainer can see and mask) and is retried next time.
+proximal value yet is owed ``log pi_V(x_i | x_<i)``, so the trainer's segment-wise importance
+weight uses the right policy. The values come **per session leaf** (``leaves``): one prefill of
+the longest stored path holding owed turns, from the first owed position, written back to every
+owed turn on that path. When they are computed:
+
+- an **open** session is not recomputed eagerly: its next turn's own engine call asks for the
+  input logprobs from the first owed position and fills them (``RecomputeScheduler.piggyback``);
+- **closed** (rewarded) sessions, which send no further turn, are recomputed in the background
+  soon after an update (``soon``) and before a pull hands them out;
+- whatever is still owed is prefilled before the next pause (the weights that give ``pi_V`` go
+  away at the next update), waiting at most ``deadline_s``; what is not done by then stays
+  ``proximal == behaviour`` with ``proximal_versions == versions`` (missing, as for a proxy
+  that was down), is counted in ``splice_proximal_missing_tokens`` and logged, and the pause
+  proceeds.
+
+A failed engine call leaves its tokens as they were and they are retried at the next deadline.
 """
 
 from __future__ import annotations
@@ -12,11 +24,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
+
+from engines.types import Generation
 
 from ..metrics import Metrics
-from ..store import NotFound, Store, TurnRecord
+from ..store import Store, TurnRecord
+from .leaves import Path, place, plan_leaves, plan_prompt
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +45,19 @@ class PrefillPool(Protocol):
 
 @dataclass
 class RecomputeReport:
-    turns: int = 0  # turns that were owed values
+    sessions: int = 0  # sessions that owed values
+    turns: int = 0  # owed turns covered by the prefills
+    prefills: int = 0  # engine prefill calls made (one per leaf)
+    prefill_tokens: int = 0  # tokens those calls sent
     tokens: int = 0  # tokens that got a proximal value
-    failures: int = 0  # turns left as they were (engine error or a malformed answer)
+    failures: int = 0  # leaves left as they were (engine error or a malformed answer)
+    stale_tokens: int = 0  # owed tokens not recomputed: their sample is older than --max-staleness
+    timed_out: bool = False  # the deadline passed before everything owed was done
+    missing_tokens: int = 0  # owed tokens left without a value when a pause went ahead
+    wait_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 def apply_prefill(turn: TurnRecord, values: list[float | None], version: int) -> tuple[list[float], list[int], int]:
@@ -59,48 +85,66 @@ async def recompute_owed_report(
     pool: PrefillPool,
     version: int,
     *,
-    session_id_for: Callable[[TurnRecord], str] = lambda t: t.session_id,
+    session_id_for: Callable[[Path], str] = lambda p: p.session_id,
     concurrency: int = 2,
+    closed_only: bool = False,
+    min_version: int | None = None,
+    report: RecomputeReport | None = None,
 ) -> RecomputeReport:
-    """Recompute every owed turn (see module docstring); commits turn by turn.
+    """Settle what is owed under ``version``: one prefill per session leaf, committed per leaf.
 
-    ``concurrency`` workers take owed turns one at a time, loading each only when its prefill
-    starts: memory stays bounded however much is owed."""
-    owed = store.turns.owed_ids(version)
-    report = RecomputeReport(turns=len(owed))
+    ``concurrency`` workers take owed sessions one at a time, loading each only when its turn
+    comes, so memory stays bounded however much is owed. ``report`` (when given) is filled in
+    as work completes, so a caller that gives up at a deadline still sees what was done.
+    """
+    report = report or RecomputeReport()
+    owed = await asyncio.to_thread(store.turns.owed_sessions, version, closed_only=closed_only)
+    report.sessions += len(owed)
     queue = iter(owed)
 
-    async def one(turn_id: str) -> None:
-        turn = store.turns.get(turn_id)
-        if turn is None:
-            raise NotFound(f"turn {turn_id} disappeared")
+    async def leaf(path: Path) -> None:
+        report.prefills += 1
+        report.prefill_tokens += int(path.input_ids.size)
         values = await pool.prefill_logprobs(
-            input_ids=turn.prompt_ids + turn.output_ids,
-            start=len(turn.prompt_ids),
-            session_id=session_id_for(turn),
+            input_ids=path.input_ids.tolist(), start=path.start, session_id=session_id_for(path)
         )
-        # Re-read: another recompute may have filled some tokens while we awaited the engine.
-        fresh = store.turns.get(turn_id)
-        if fresh is None:
-            raise NotFound(f"turn {turn_id} disappeared")
-        prox, prox_versions, changed = apply_prefill(fresh, list(values), version)
-        if changed:
-            store.turns.update_proximal(turn_id, prox, prox_versions)
-        report.tokens += changed
+        want = int(path.input_ids.size) - path.start
+        if len(values) != want:
+            raise ValueError(f"prefill returned {len(values)} logprobs for {want} positions")
+        # Written in one transaction that re-reads the turns: a value another path (or the
+        # session's next turn) filled meanwhile is kept, never overwritten.
+        report.tokens += store.turns.fill_proximal(place(path, list(values), path.start), version)
 
-    async def worker() -> None:
-        for turn_id in queue:  # one shared iterator: each turn goes to exactly one worker
+    async def session(session_id: str) -> None:
+        turns = await asyncio.to_thread(store.turns.tokens_of, session_id)
+        paths, stale = plan_leaves(session_id, turns, version, min_version=min_version)
+        report.stale_tokens += stale
+        for path in paths:
+            report.turns += len(path.turns)
             try:
-                await one(turn_id)
+                await leaf(path)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # an engine error must not stop the others; the turn stays owed
+            except Exception as exc:  # an engine error must not stop the others; the tokens stay owed
                 report.failures += 1
-                log.warning("recompute of turn %s under v%d failed: %s", turn_id, version, exc)
+                log.warning("recompute of session %s (leaf %s) under v%d failed: %s", session_id, path.leaf_turn_id, version, exc)
+
+    async def worker() -> None:
+        for session_id in queue:  # one shared iterator: each session goes to exactly one worker
+            try:
+                await session(session_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                report.failures += 1
+                log.warning("recompute of session %s under v%d failed: %s", session_id, version, exc)
 
     await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
     if report.failures:
-        log.warning("recompute under v%d: %d of %d turns failed, %d tokens updated", version, report.failures, report.turns, report.tokens)
+        log.warning(
+            "recompute under v%d: %d leaves failed, %d tokens updated from %d prefills",
+            version, report.failures, report.tokens, report.prefills,
+        )  # fmt: skip
     return report
 
 
@@ -109,7 +153,7 @@ async def recompute_owed(
     pool: PrefillPool,
     version: int,
     *,
-    session_id_for: Callable[[TurnRecord], str] = lambda t: t.session_id,
+    session_id_for: Callable[[Path], str] = lambda p: p.session_id,
     concurrency: int = 2,
 ) -> int:
     """R2 for ``version``; returns the number of tokens that got a proximal value."""
@@ -117,38 +161,189 @@ async def recompute_owed(
     return report.tokens
 
 
-class RecomputeScheduler:
-    """Runs R2 for the pool's current version: eagerly after a weight update or resume (in the
-    background), before a pause and before a pull (awaited), one run at a time."""
+@dataclass
+class Piggyback:
+    """The owed values a session's next turn will compute: its engine call asks for the input
+    logprobs of its prompt from ``path.start`` (under ``version``)."""
 
-    def __init__(self, store: Store, pool, metrics: Metrics):
+    path: Path
+    version: int
+    elsewhere: int  # owed tokens of the session on other branches (a deadline settles them)
+
+
+class RecomputeScheduler:
+    """When R2 runs (module docstring): piggybacked on next turns, in the background for closed
+    sessions, and at deadlines (pause, pull) with a bounded wait."""
+
+    def __init__(
+        self,
+        store: Store,
+        pool,
+        metrics: Metrics,
+        *,
+        deadline_s: float = 60.0,
+        max_staleness: int | None = None,
+        concurrency: int | None = None,
+    ):
         self.store = store
         self.pool = pool
         self.metrics = metrics
+        self.deadline_s = float(deadline_s)
+        self.max_staleness = max_staleness
+        replicas = len(getattr(pool, "urls", ()) or ()) or 1
+        self.concurrency = concurrency or getattr(pool, "prefill_concurrency", 2) * replicas
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._owed_version: int | None = None
+        self._owed: set[str] = set()
+
+    # -- which sessions owe values (kept in memory: the turn path asks in O(1)) ----------------
+
+    @property
+    def min_version(self) -> int | None:
+        """Tokens older than this are past ``--max-staleness`` (None: no limit)."""
+        return None if self.max_staleness is None else self.pool.version - self.max_staleness
+
+    def _index(self) -> set[str]:
+        v = self.pool.version
+        if self._owed_version != v:  # the version moved without refresh(): read it now, once
+            self._owed, self._owed_version = set(self.store.turns.owed_sessions(v)), v
+        return self._owed
+
+    async def refresh(self) -> None:
+        """Re-read which sessions owe values (after a version change), off the event loop."""
+        v = self.pool.version
+        owed = await asyncio.to_thread(self.store.turns.owed_sessions, v)
+        if self.pool.version == v:
+            self._owed, self._owed_version = set(owed), v
+
+    def owes(self, session_id: str) -> bool:
+        return session_id in self._index()
+
+    def note_turn(self, session_id: str, gen: Generation) -> None:
+        """A committed turn that holds tokens owed under the current version (it finished
+        under ``V-1`` after the index was read): its session owes values."""
+        v = self.pool.version
+        if self._owed_version == v and any(x == v - 1 and p == x for x, p in zip(gen.versions, gen.proximal_versions)):
+            self._owed.add(session_id)
+
+    # -- piggyback: the next turn's own engine call ---------------------------------------------
+
+    def piggyback(self, session_id: str, prompt_ids: list[int]) -> Piggyback | None:
+        """What the session's next turn (``prompt_ids``) should ask its engine call for, or None.
+
+        Only called for a session that owes values (``owes``), so a turn of a session that owes
+        nothing reads nothing; a session that owes reads its token paths once per update."""
+        if self.pool.paused:
+            return None  # the call waits for the resume, under other weights
+        version = self.pool.version
+        turns = self.store.turns.tokens_of(session_id)
+        path, elsewhere = plan_prompt(session_id, turns, version, prompt_ids)
+        if path is None:
+            if not elsewhere:
+                self._owed.discard(session_id)
+            return None
+        mv = self.min_version
+        if mv is not None and min((int(t.versions.min()) for t in turns if t.versions.size and not t.abandoned), default=mv) < mv:
+            return None  # stale: its sample will be dropped; never paid for
+        return Piggyback(path, version, elsewhere)
+
+    def fill_from(self, pig: Piggyback, gen: Generation) -> int:
+        """Write the values the turn's call returned; returns how many tokens got one."""
+        if gen.prompt_logprobs_version != pig.version or not gen.prompt_logprobs:
+            return 0  # the weights moved first, or the engine gave none: a deadline settles them
+        values = place(pig.path, gen.prompt_logprobs, gen.prompt_logprobs_start)
+        changed = self.store.turns.fill_proximal(values, pig.version)
+        if changed:
+            self.metrics.recomputed.inc(changed)
+            self.metrics.piggybacked.inc(changed)
+        if not pig.elsewhere and changed >= pig.path.owed_tokens and self._owed_version == pig.version:
+            self._owed.discard(pig.path.session_id)
+        return changed
+
+    # -- deadlines --------------------------------------------------------------------------------
+
+    async def settle(self, *, closed_only: bool = False, deadline_s: float | None = None) -> RecomputeReport:
+        """Prefill what is owed now (``closed_only``: rewarded sessions only), per leaf, waiting
+        at most ``deadline_s`` (default: the configured deadline)."""
+        report = RecomputeReport()
+        if self.pool.paused:
+            return report
+        deadline = self.deadline_s if deadline_s is None else float(deadline_s)
+        version = self.pool.version
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(max(deadline, 0.0)):
+                async with self._lock:
+                    await recompute_owed_report(
+                        self.store, self.pool, version, concurrency=self.concurrency, closed_only=closed_only,
+                        min_version=self.min_version, report=report,
+                    )  # fmt: skip
+        except TimeoutError:
+            report.timed_out = True
+            log.warning(
+                "recompute under v%d passed its %.1f s deadline: %d tokens filled from %d prefills, the rest stays owed",
+                version, deadline, report.tokens, report.prefills,
+            )  # fmt: skip
+        report.wait_s = time.monotonic() - t0
+        m = self.metrics
+        if report.tokens:
+            m.recomputed.inc(report.tokens)
+        m.recompute_prefills.inc(report.prefills)
+        m.recompute_prefill_tokens.inc(report.prefill_tokens)
+        if report.stale_tokens:
+            m.stale_skipped.inc(report.stale_tokens)
+        if not report.timed_out and not report.failures and self._owed_version == version and not closed_only:
+            self._owed.clear()  # everything owed under this version was settled (or is stale)
+        return report
+
+    async def before_pause(self, *, recompute: bool = True) -> RecomputeReport:
+        """The pause deadline: settle what is owed (at most ``deadline_s``), then count what is
+        left as missing; the pause always proceeds."""
+        await self.cancel_background()
+        report = await self.settle() if recompute else RecomputeReport()
+        version = self.pool.version
+        left = await asyncio.to_thread(self.store.turns.owed_tokens, version)
+        left = max(left - report.stale_tokens, 0)
+        if left:
+            report.missing_tokens = left
+            self.metrics.missing.inc(left)
+            log.warning(
+                "pause at v%d: %d tokens of v%d have no proximal value (%s); they keep proximal == behaviour",
+                version, left, version - 1, "deadline passed" if report.timed_out else "not recomputed",
+            )  # fmt: skip
+        self.metrics.pause_wait_seconds.observe(report.wait_s)
+        return report
 
     async def run(self) -> int:
-        """Recompute what is owed now; returns the number of tokens that got a value."""
-        if self.pool.paused:
-            return 0
-        async with self._lock:
-            n = await recompute_owed(self.store, self.pool, self.pool.version)
-        if n:
-            self.metrics.recomputed.inc(n)
-        return n
+        """Recompute everything owed now (deadline applies); returns the tokens that got a value."""
+        return (await self.settle()).tokens
+
+    # -- background (closed sessions, after an update) --------------------------------------------
 
     def soon(self) -> None:
-        """Start a run in the background (failures are logged; the values stay owed)."""
-        task = asyncio.get_running_loop().create_task(self._safe_run())
+        """Recompute closed sessions in the background (failures are logged; the values stay owed)."""
+        loop = asyncio.get_running_loop()
+        loop.create_task(self.refresh())
+        task = loop.create_task(self._safe_run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _safe_run(self) -> None:
         try:
-            await self.run()
+            await self.settle(closed_only=True)
+        except asyncio.CancelledError:
+            raise
         except Exception:
             log.exception("recompute after weight update failed; values stay owed")
+
+    async def cancel_background(self) -> None:
+        """Stop background work (a pause's own settle takes over what is left)."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def drain(self) -> None:
         if self._tasks:

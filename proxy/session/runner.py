@@ -18,6 +18,7 @@ from ..metrics import Metrics
 from ..store import Conflict, Store, StoredResponse, TurnRecord
 from .drift import DriftChecker
 from .planner import Plan, RenderError, answer_fingerprints, plan
+from .recompute import Piggyback, RecomputeScheduler
 from .sampling import SamplingPolicy
 from .turn import TokensCallback, TurnRequest, TurnResult
 
@@ -91,7 +92,7 @@ class TurnRunner:
     """One per proxy process."""
 
     def __init__(self, fmt: ChatFormat, pool, store: Store, metrics: Metrics, *, sampling: SamplingPolicy,
-                 drift: DriftChecker, model_name: str):  # fmt: skip
+                 drift: DriftChecker, model_name: str, recompute: RecomputeScheduler | None = None):  # fmt: skip
         self.fmt = fmt
         self.pool = pool
         self.store = store
@@ -99,6 +100,7 @@ class TurnRunner:
         self.sampling = sampling
         self.drift = drift
         self.model_name = model_name
+        self.recompute = recompute  # R2: a session owing values gets them from its next turn's call
         self.lookup = StoreLookup(store)
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
@@ -149,15 +151,17 @@ class TurnRunner:
         self.lookup.claim(p.parent_turn_id)
         try:
             async with self._lock(p.session_id):
+                pig = self._piggyback(p)
                 self.metrics.inflight.inc()
                 try:
-                    gen = await self._generate(p, params, on_tokens)
+                    gen = await self._generate(p, params, on_tokens, pig)
                 finally:
                     self.metrics.inflight.dec()
                 result = self._result(req, p, gen)
                 t_commit = time.perf_counter()
                 self._commit(req, p, result, session)
                 self.metrics.stage_seconds.labels("commit").observe(time.perf_counter() - t_commit)
+                self._settle_owed(p, gen, pig)
         finally:
             self.lookup.release(p.parent_turn_id)
         self._count(req, p, gen, result)
@@ -191,9 +195,32 @@ class TurnRunner:
         self.metrics.abandoned.inc()
         log.info("turn %s of session %s abandoned: the client went away before it was delivered", result.turn_id, result.session_id)
 
-    async def _generate(self, p: Plan, params, on_tokens: TokensCallback | None) -> Generation:
+    def _piggyback(self, p: Plan) -> Piggyback | None:
+        """R2 on the next turn: when the session owes proximal values that this prompt contains,
+        the turn's own engine call computes them (the update flushed the engine's prefix cache,
+        so the prompt is re-read anyway). O(1) for a session that owes nothing."""
+        if self.recompute is None or p.new_session or not self.recompute.owes(p.session_id):
+            return None
         try:
-            gen = await self.pool.generate(p.prompt_ids, params, session_id=p.session_id, on_tokens=on_tokens)
+            return self.recompute.piggyback(p.session_id, p.prompt_ids)
+        except Exception:  # noqa: BLE001 - never fail a turn over R2: a deadline settles the values
+            log.exception("session %s: could not plan its owed proximal values", p.session_id)
+            return None
+
+    def _settle_owed(self, p: Plan, gen: Generation, pig: Piggyback | None) -> None:
+        if self.recompute is None:
+            return
+        try:
+            if pig is not None:
+                self.recompute.fill_from(pig, gen)
+            self.recompute.note_turn(p.session_id, gen)
+        except Exception:  # noqa: BLE001 - the turn is committed; the values stay owed
+            log.exception("session %s: could not store the proximal values of its next turn", p.session_id)
+
+    async def _generate(self, p: Plan, params, on_tokens: TokensCallback | None, pig: Piggyback | None = None) -> Generation:
+        kw = {} if pig is None else {"prompt_logprobs_from": pig.path.start}
+        try:
+            gen = await self.pool.generate(p.prompt_ids, params, session_id=p.session_id, on_tokens=on_tokens, **kw)
             check_token_ids(gen.output_ids, self.vocab_size, gen.replica)
             return gen
         except EngineError as exc:

@@ -25,13 +25,17 @@ class TrainingPool:
         self.turns = turns
         self.clock = clock
 
-    def pull(self, max_samples: int, lease_timeout_s: float) -> tuple[str | None, list[dict]]:
+    def pull(
+        self, max_samples: int, lease_timeout_s: float, *, keep: Callable[[dict], bool] | None = None
+    ) -> tuple[str | None, list[dict]]:
         """Lease ready samples: whole sessions, whole groups, oldest-ready first.
 
         Returns ``(None, [])`` when nothing is ready (no lease is created). A unit (session or
         complete group) that does not fit in what is left of ``max_samples`` waits for the next
         pull, unless it is the first of the lease, so an oversized group is never stuck.
         Rewarded sessions without any turn have nothing to train on and are acked on the spot.
+        ``keep(sample)`` False drops a sample from the pool (``--max-staleness``): it is never
+        handed out, and a session left with nothing to hand out is acked on the spot too.
         """
         if lease_timeout_s <= 0:
             raise ValueError("lease_timeout_s must be positive")
@@ -51,6 +55,8 @@ class TrainingPool:
                 for session_id in unit.session_ids:
                     session = read_session(c, session_id)
                     unit_samples.extend(s.to_dict() for s in assemble_samples(session, self.turns.list_in(c, session_id)))
+                if keep is not None:
+                    unit_samples = [s for s in unit_samples if keep(s)]
                 if not unit_samples:
                     empty.extend(unit.session_ids)
                     continue

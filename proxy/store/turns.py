@@ -48,6 +48,24 @@ SELECT = (
 
 
 @dataclass(frozen=True)
+class TurnTokens:
+    """A turn's token sequence and version arrays, without its logprobs or metadata: what the
+    R2 leaf planner needs to find which turns lie on which stored path."""
+
+    turn_id: str
+    index: int
+    n_prompt: int
+    full: np.ndarray  # prompt + output ids (int32)
+    versions: np.ndarray  # per output token (int32)
+    proximal_versions: np.ndarray
+    abandoned: bool
+
+    @property
+    def n_output(self) -> int:
+        return int(self.full.size - self.n_prompt)
+
+
+@dataclass(frozen=True)
 class Candidate:
     """A recorded turn whose answer a request's history ends with."""
 
@@ -181,7 +199,78 @@ class TurnTable:
                 raise ValueError(f"turn {turn_id}: expected {n} proximal values, got {prox.size} / {pv.size}")
             write_proximal(c, seq, unpack_f32(lp_blob), unpack_runs(v_blob), prox, pv)
 
+    def fill_proximal(self, values: dict[str, list[float | None]], version: int) -> int:
+        """Give tokens of ``version - 1`` still lacking a proximal value their ``log pi_version``.
+
+        ``values[turn_id][i]`` is the value for output token ``i`` (None: not computed). Read
+        and written in one transaction, so two recomputes of the same tokens (a leaf prefill and
+        a next turn's input logprobs) never overwrite each other: the first one wins and both
+        carry the same number. Non-finite values are skipped. Returns the tokens that changed.
+        """
+        owed = int(version) - 1
+        changed = 0
+        with self.db.write() as c:
+            for turn_id, vals in values.items():
+                row = c.execute(
+                    "SELECT t.seq, t.n_output, t.logprobs, t.versions, p.prox_logprobs, p.prox_versions "
+                    "FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq WHERE t.turn_id = ?",
+                    (turn_id,),
+                ).fetchone()
+                if row is None:
+                    continue  # removed meanwhile: nothing to fill
+                seq, n, lp_blob, v_blob, plp_blob, pv_blob = row
+                if len(vals) != n:
+                    raise ValueError(f"turn {turn_id}: {len(vals)} values for {n} output tokens")
+                lp, v = unpack_f32(lp_blob), unpack_runs(v_blob)
+                prox, pv = unpack_proximal(lp, v, plp_blob, pv_blob)
+                prox, pv = prox.copy(), pv.copy()
+                got = np.array([np.nan if x is None else x for x in vals], dtype=np.float64)
+                take = (v == owed) & (pv == v) & np.isfinite(got)
+                k = int(take.sum())
+                if not k:
+                    continue
+                prox[take] = got[take].astype(F32)
+                pv[take] = int(version)
+                write_proximal(c, seq, lp, v, prox, pv)
+                changed += k
+        return changed
+
     # ------------------------------------------------------------ reading
+
+    def tokens_of(self, session_id: str) -> list[TurnTokens]:
+        """Every turn of the session (index order) as token sequences and version arrays."""
+        with self.db.read(snapshot=True) as c:
+            rows = c.execute(
+                "SELECT t.seq, t.turn_id, t.idx, t.n_prompt, t.versions, p.prox_versions, "
+                "EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq) "
+                "FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq WHERE t.session_id = ? ORDER BY t.idx",
+                (session_id,),
+            ).fetchall()
+            out = []
+            for seq, turn_id, idx, n_prompt, v_blob, pv_blob, abandoned in rows:
+                v = unpack_runs(v_blob)
+                pv = v if pv_blob is None else unpack_runs(pv_blob)
+                out.append(TurnTokens(turn_id, idx, n_prompt, self._full_sequence(c, seq), v, pv, bool(abandoned)))
+            return out
+
+    def owed_sessions(self, version: int, *, closed_only: bool = False) -> list[str]:
+        """Sessions holding tokens owed a value under ``version`` (see ``owed``), oldest first;
+        with ``closed_only`` only rewarded ones (they will send no further turn)."""
+        with self.db.read(snapshot=True) as c:
+            rows = _owed_rows(c, version, light=True, closed_only=closed_only)
+        return list(dict.fromkeys(r[3] for r in rows))
+
+    def owed_tokens(self, version: int) -> int:
+        """How many tokens are owed a value under ``version`` (for counting missing values)."""
+        owed = version - 1
+        n = 0
+        with self.db.read(snapshot=True) as c:
+            for r in _owed_rows(c, version, light=True):
+                versions = unpack_runs(r[1])
+                pv = versions if r[2] is None else unpack_runs(r[2])
+                n += int(np.sum((versions == owed) & (pv == versions)))
+        return n
+
 
     def get(self, turn_id: str) -> TurnRecord | None:
         with self.db.read() as c:
@@ -320,17 +409,17 @@ def write_proximal(c, seq: int, logprobs, versions, prox, prox_versions) -> None
         c.execute("DELETE FROM pending WHERE turn_seq = ?", (seq,))
 
 
-def _owed_rows(c, version: int, *, light: bool = False) -> list:
-    """Owed turns' full rows, or with ``light`` only ``(turn_id, versions, prox_versions)``."""
+def _owed_rows(c, version: int, *, light: bool = False, closed_only: bool = False) -> list:
+    """Owed turns' full rows, or with ``light`` only ``(turn_id, versions, prox_versions, session_id)``."""
     owed = version - 1
     head = (
-        "SELECT t.turn_id, t.versions, p.prox_versions FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq "
+        "SELECT t.turn_id, t.versions, p.prox_versions, t.session_id FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq "
         if light
         else SELECT
     )
     rows = c.execute(
         head + "JOIN pending q ON q.turn_seq = t.seq JOIN sessions s ON s.session_id = t.session_id "
-        "WHERE q.vmax >= ? AND q.vmin <= ? AND s.acked = 0 "
+        "WHERE q.vmax >= ? AND q.vmin <= ? AND s.acked = 0 " + ("AND s.closed = 1 " if closed_only else "") +
         "AND NOT EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq) ORDER BY t.seq",
         (owed, owed),
     ).fetchall()

@@ -67,7 +67,9 @@ def test_recompute_sets_values_by_absolute_position(store, make_turn):
     assert got1.proximal_versions == [3, 3]
     for got, t in ((got0, t0), (got1, t1)):  # behaviour arrays untouched
         assert got.output_logprobs == t.output_logprobs and got.versions == t.versions and got.prompt_ids == t.prompt_ids
-    assert sorted(pool.calls) == [(7, 3, "s"), (11, 9, "s")]
+    # one prefill per leaf: t1's prompt holds t0 verbatim, so t1 is the leaf of both, read
+    # from t0's first owed position (3 + 1) on
+    assert pool.calls == [(11, 4, "s")]
     assert store.turns.owed(3) == []
     assert asyncio.run(recompute_owed(store, pool, 3)) == 0  # nothing owed twice
 
