@@ -14,6 +14,7 @@ Only needs uvicorn and orjson, so it does not import the project.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import sys
 import time
@@ -31,23 +32,36 @@ def make_app(spec: dict):
     reasoning = spec.get("reasoning", "")
     counter = itertools.count()
     state = {"version": "0"}  # the weight version, set by /update_weights_from_disk
+    # What R2 costs the engine (``splice bench recompute`` reads GET /stats): prefill-only calls,
+    # the tokens they sent, and turns that asked for input logprobs of their prompt.
+    stats = {"prefill_calls": 0, "prefill_tokens": 0, "turns": 0, "turns_with_input_logprobs": 0, "input_logprob_tokens": 0}
+    prefill_tok_s = float(spec.get("prefill_tok_per_s") or 0)  # >0: a prefill-only call takes len/rate seconds
     info = orjson.dumps({"model_path": "/standin", "is_generation": True, "weight_version": "0"})
     models = orjson.dumps({"object": "list", "data": [{"id": "standin", "object": "model", "owned_by": "bench"}]})
     ok = orjson.dumps({"success": True})
 
-    def generate(body: bytes) -> bytes:
+    def generate(body: bytes) -> tuple[bytes, float]:
         req = orjson.loads(body)
         ids = req.get("input_ids") or []
         start = int(req.get("logprob_start_len", -1))
         # a prefill (R2 recompute) asks for input logprobs and no output
         inputs = [[None if j == 0 else -0.5, t, None] for j, t in enumerate(ids[start:])] if start >= 0 else []
         prefill = (req.get("sampling_params") or {}).get("max_new_tokens") == 0
+        if prefill:
+            stats["prefill_calls"] += 1
+            stats["prefill_tokens"] += len(ids)
+        else:
+            stats["turns"] += 1
+            if start >= 0:
+                stats["turns_with_input_logprobs"] += 1
+                stats["input_logprob_tokens"] += len(ids) - start
         meta = {
             "id": req.get("rid", "r"), "finish_reason": {"type": "length" if prefill else "stop", "matched": None if prefill else stop_id},
             "prompt_tokens": len(ids), "completion_tokens": 0 if prefill else n_out, "cached_tokens": 0,
             "weight_version": state["version"], "input_token_logprobs": inputs, "output_token_logprobs": [] if prefill else triples, "e2e_latency": 0.0,
         }
-        return orjson.dumps({"text": "", "output_ids": [] if prefill else out_ids, "meta_info": meta})
+        prefill_s = len(ids) / prefill_tok_s if prefill and prefill_tok_s > 0 else 0.0
+        return orjson.dumps({"text": "", "output_ids": [] if prefill else out_ids, "meta_info": meta}), prefill_s
 
     def chat(body: bytes) -> bytes:
         # Not parsed: a zero-latency engine. Prompt tokens are estimated from the body size.
@@ -83,7 +97,11 @@ def make_app(spec: dict):
         if scope["method"] == "GET" and path in _POST_ONLY:  # how engine facts tell a route exists
             data, status = b'{"detail": "Method Not Allowed"}', 405
         elif path == "/generate":
-            data = generate(body)
+            data, prefill_s = generate(body)
+            if prefill_s > 0:
+                await asyncio.sleep(prefill_s)
+        elif path == "/stats":
+            data = orjson.dumps(stats)
         elif path in ("/v1/chat/completions", "/chat/completions"):
             data = chat(body)
         elif path in ("/model_info", "/get_model_info"):
