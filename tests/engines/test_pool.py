@@ -534,3 +534,85 @@ def test_single_replica_retries_once_when_nothing_came_back():
 
     gen, n = run(go())
     assert gen.output_ids == [7] and n == 2
+
+
+# -- R2 on the next turn: prompt input logprobs from a start position ----------------------------
+
+
+def test_generate_asks_for_prompt_logprobs_from_the_first_owed_position():
+    """SGLang: to get token k pass logprob_start_len <= k-1 (its first entry is null)."""
+    prompt = [5, 6, 7, 8, 9, 10]
+
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeSGLang(router, A, version="3")
+            fake.script = [Step([(20, -0.4)], finish="stop", matched=20), Step([(21, -0.3)], finish="stop", matched=21)]
+            pool = make_pool()
+            gen = await pool.generate(prompt, SamplingParams(max_new_tokens=4), session_id="s", prompt_logprobs_from=2)
+            plain = await pool.generate(prompt, SamplingParams(max_new_tokens=4), session_id="s")
+            await pool.close()
+            return fake, gen, plain
+
+    fake, gen, plain = run(go())
+    assert fake.requests[0]["logprob_start_len"] == 1
+    assert fake.requests[1]["logprob_start_len"] == -1  # not asked: prefix cache untouched
+    assert gen.prompt_logprobs_start == 2 and gen.prompt_logprobs_version == 3
+    assert gen.prompt_logprobs == [default_lp(3, p, prompt[p]) for p in range(2, len(prompt))]
+    assert gen.output_ids == [20] and gen.logprobs == [-0.4]  # the turn itself is unchanged
+    assert plain.prompt_logprobs == [] and plain.prompt_logprobs_version is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_generate_takes_prompt_logprobs_from_echo(stream):
+    prompt = [5, 6, 7, 8, 9]
+
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeVLLM(router, A, version=2)
+            fake.weight_version = "2"
+            fake.script = [Step([(30, -0.2), (31, -0.1)], finish="stop", matched=31)]
+            pool = make_pool("vllm", model="tiny")
+            seen: list[int] = []
+
+            async def on_tokens(ids, lps):
+                seen.extend(ids)
+
+            gen = await pool.generate(
+                prompt, SamplingParams(max_new_tokens=4), session_id="s", prompt_logprobs_from=3,
+                on_tokens=on_tokens if stream else None,
+            )  # fmt: skip
+            await pool.close()
+            return fake, gen, seen
+
+    fake, gen, seen = run(go())
+    assert fake.requests[0]["echo"] is True
+    assert gen.prompt_logprobs == [default_lp(2, p, prompt[p]) for p in (3, 4)]
+    assert gen.prompt_logprobs_version == 2 and gen.output_ids == [30, 31]
+    if stream:
+        assert seen == [30, 31]  # the echoed prompt is never delivered as output
+
+
+def test_prompt_logprobs_come_from_the_first_segment_only_with_its_version():
+    """An update during the turn: the first segment's prefill ran under v0, so its values are
+    v0's (for tokens of v-1 = none here); the resume asks only for the accumulated output (R1)."""
+    prompt = [11, 12, 13, 14]
+
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeSGLang(router, A, version="0")
+            pool = make_pool()
+            fake.on_abort = pool.pause
+            fake.script = [Step([(100, -2.5)], finish="abort"), Step([(101, -1.8)], finish="stop", matched=101)]
+            task = asyncio.create_task(
+                pool.generate(prompt, SamplingParams(max_new_tokens=10), session_id="s", prompt_logprobs_from=1)
+            )
+            await update_cycle(pool, 1)
+            gen = await task
+            await pool.close()
+            return fake, gen
+
+    fake, gen = run(go())
+    assert [r["logprob_start_len"] for r in fake.requests] == [0, len(prompt) - 1]
+    assert gen.prompt_logprobs_version == 0
+    assert gen.prompt_logprobs == [default_lp(0, p, prompt[p]) for p in range(1, len(prompt))]
+    assert gen.proximal_versions == [1, 1] and gen.proximal_logprobs_t[0] == default_lp(1, len(prompt), 100)

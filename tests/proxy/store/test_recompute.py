@@ -108,3 +108,50 @@ def test_session_id_for_routes_calls(store, make_turn):
     pool = FakePool(1)
     asyncio.run(recompute_owed(store, pool, 1, session_id_for=lambda t: "route-" + t.session_id))
     assert pool.calls == [(2, 1, "route-s")]
+
+
+# -- per session leaf (docs/design.md section 4) -------------------------------------------------
+
+
+def test_one_prefill_per_leaf_rollback_is_its_own_leaf(store, make_turn):
+    """t0 <- t1 <- t2 is one branch; t3 rolls back to t0 with another prompt: two leaves. t0 lies
+    on both; the longer leaf settles it, so the other is read only from its own first owed token."""
+    store.sessions.upsert("s")
+    t0 = make_turn("s", 0, [1, 2], [3, 4], version=0)
+    t1 = make_turn("s", 1, t0.full_ids + [5], [6, 7], version=0)
+    t2 = make_turn("s", 2, t1.full_ids + [8], [9], version=[0])
+    t3 = make_turn("s", 3, t0.full_ids + [50], [51, 52], version=0)
+    for t in (t0, t1, t2, t3):
+        store.turns.add(t)
+    pool = FakePool(version=1)
+    report = asyncio.run(recompute_owed_report(store, pool, 1))
+    assert sorted(pool.calls) == sorted([(len(t2.full_ids), 2, "s"), (len(t3.full_ids), len(t3.prompt_ids), "s")])
+    assert (report.prefills, report.turns, report.tokens, report.failures) == (2, 4, 7, 0)
+    for got in store.turns.list("s"):
+        n = len(got.prompt_ids)
+        assert got.proximal_versions == [1] * len(got.output_ids)
+        assert got.proximal_logprobs_t == [pool.value(n + i) for i in range(len(got.output_ids))]
+
+
+def test_abandoned_turn_owes_nothing_but_still_carries_a_path(store, make_turn):
+    store.sessions.upsert("s")
+    t0 = make_turn("s", 0, [1, 2], [3], version=0)
+    t1 = make_turn("s", 1, t0.full_ids + [4], [5, 6], version=0)
+    store.turns.add(t0)
+    store.turns.add(t1)
+    store.turns.abandon(t1.turn_id)
+    pool = FakePool(version=1)
+    assert asyncio.run(recompute_owed(store, pool, 1)) == 1
+    assert pool.calls == [(len(t1.full_ids), 2, "s")]  # the longest stored path holding t0
+    assert store.turns.get(t1.turn_id).proximal_versions == [0, 0]
+
+
+def test_stale_leaf_is_not_recomputed(store, make_turn):
+    store.sessions.upsert("s")
+    t0 = make_turn("s", 0, [1, 2], [3], version=0)
+    t1 = make_turn("s", 1, t0.full_ids + [4], [5, 6], version=1)
+    store.turns.add(t0)
+    store.turns.add(t1)
+    pool = FakePool(version=2)
+    report = asyncio.run(recompute_owed_report(store, pool, 2, min_version=1))
+    assert pool.calls == [] and report.stale_tokens == 2 and report.tokens == 0
