@@ -229,23 +229,30 @@ class RecomputeScheduler:
 
     # -- piggyback: the next turn's own engine call ---------------------------------------------
 
-    def piggyback(self, session_id: str, prompt_ids: list[int]) -> Piggyback | None:
+    async def piggyback(self, session_id: str, prompt_ids: list[int]) -> Piggyback | None:
         """What the session's next turn (``prompt_ids``) should ask its engine call for, or None.
 
         Only called for a session that owes values (``owes``), so a turn of a session that owes
-        nothing reads nothing; a session that owes reads its token paths once per update."""
+        nothing reads nothing; a session that owes reads its token paths once per update, in a
+        worker thread (the event loop keeps serving other turns)."""
         if self.pool.paused:
             return None  # the call waits for the resume, under other weights
         version = self.pool.version
-        turns = self.store.turns.tokens_of(session_id)
-        path, elsewhere = plan_prompt(session_id, turns, version, prompt_ids)
+        mv = self.min_version
+
+        def plan() -> tuple[Path | None, int, bool]:
+            turns = self.store.turns.tokens_of(session_id)
+            path, elsewhere = plan_prompt(session_id, turns, version, prompt_ids)
+            stale = mv is not None and any(t.versions.size and int(t.versions.min()) < mv for t in turns if not t.abandoned)
+            return path, elsewhere, stale
+
+        path, elsewhere, stale = await asyncio.to_thread(plan)
         if path is None:
-            if not elsewhere:
+            if not elsewhere and self._owed_version == version:
                 self._owed.discard(session_id)
             return None
-        mv = self.min_version
-        if mv is not None and min((int(t.versions.min()) for t in turns if t.versions.size and not t.abandoned), default=mv) < mv:
-            return None  # stale: its sample will be dropped; never paid for
+        if stale:
+            return None  # its sample will be dropped at pull: never paid for
         return Piggyback(path, version, elsewhere)
 
     def fill_from(self, pig: Piggyback, gen: Generation) -> int:

@@ -151,7 +151,7 @@ class TurnRunner:
         self.lookup.claim(p.parent_turn_id)
         try:
             async with self._lock(p.session_id):
-                pig = self._piggyback(p)
+                pig = await self._piggyback(p)
                 self.metrics.inflight.inc()
                 try:
                     gen = await self._generate(p, params, on_tokens, pig)
@@ -195,14 +195,14 @@ class TurnRunner:
         self.metrics.abandoned.inc()
         log.info("turn %s of session %s abandoned: the client went away before it was delivered", result.turn_id, result.session_id)
 
-    def _piggyback(self, p: Plan) -> Piggyback | None:
+    async def _piggyback(self, p: Plan) -> Piggyback | None:
         """R2 on the next turn: when the session owes proximal values that this prompt contains,
         the turn's own engine call computes them (the update flushed the engine's prefix cache,
         so the prompt is re-read anyway). O(1) for a session that owes nothing."""
         if self.recompute is None or p.new_session or not self.recompute.owes(p.session_id):
             return None
         try:
-            return self.recompute.piggyback(p.session_id, p.prompt_ids)
+            return await self.recompute.piggyback(p.session_id, p.prompt_ids)
         except Exception:  # noqa: BLE001 - never fail a turn over R2: a deadline settles the values
             log.exception("session %s: could not plan its owed proximal values", p.session_id)
             return None
