@@ -224,7 +224,13 @@ class RecomputeScheduler:
         """A committed turn that holds tokens owed under the current version (it finished
         under ``V-1`` after the index was read): its session owes values."""
         v = self.pool.version
-        if self._owed_version == v and any(x == v - 1 and p == x for x, p in zip(gen.versions, gen.proximal_versions)):
+        if self._owed_version != v or not gen.versions:
+            return
+        if gen.aborts:  # several versions: look at every token
+            owes = any(x == v - 1 and p == x for x, p in zip(gen.versions, gen.proximal_versions))
+        else:  # one engine call, one version: the first token says it
+            owes = gen.versions[0] == v - 1 and gen.proximal_versions[0] == v - 1
+        if owes:
             self._owed.add(session_id)
 
     # -- piggyback: the next turn's own engine call ---------------------------------------------

@@ -66,3 +66,21 @@ def test_engine_model_path_becomes_the_tokenizer(tmp_path):
         stop()
     out = proc.stdout.read()
     assert out.count("splice ready:") == 1 and f"agents http://127.0.0.1:{port}/v1" in out and f"admin http://127.0.0.1:{port}/admin" in out
+
+
+def test_r2_flags_reach_the_settings_and_bad_values_are_refused():
+    import argparse
+
+    import pytest
+    from pydantic import ValidationError
+
+    from proxy.cli import main, settings_from_args
+
+    s = settings_from_args(argparse.Namespace(recompute_deadline_s=5.0, recompute_concurrency=4, max_staleness=2))
+    assert (s.recompute_deadline_s, s.recompute_concurrency, s.max_staleness) == (5.0, 4, 2)
+    d = settings_from_args(argparse.Namespace())
+    assert (d.recompute_deadline_s, d.recompute_concurrency, d.max_staleness) == (60.0, 2, None)
+    with pytest.raises(ValidationError):
+        settings_from_args(argparse.Namespace(recompute_concurrency=0))
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-staleness", "two"])
