@@ -62,6 +62,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
 
     app = FastAPI(title="Splice", lifespan=lifespan, default_response_class=JSONResponse)
     app.state.runner = runner
+    app.state.recompute = recompute
     app.state.store = store
     app.state.pool = pool
     app.state.metrics = metrics

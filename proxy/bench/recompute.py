@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("recompute", help="R2 per update: prefill calls and tokens, pause wait (idle / continuing sessions)")
     p.add_argument("--turns", type=int, nargs="+", default=[4, 16, 64], help="turns per session (T)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per tool result (L)")
-    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--prefill-tok-s", type=float, default=20000.0, help="modelled engine speed of a prefill-only call")
     p.add_argument("--before-src", metavar="DIR", help="another Splice source tree to compare with (the 'before' rows)")
     p.add_argument("--modes", nargs="+", default=["idle", "continuing"], choices=["idle", "continuing"])
@@ -95,8 +95,9 @@ async def _case(surl: str, purl: str, turns: int, tokens: int, sessions: int, mo
         for path, body in (("/admin/pause", {}), ("/admin/update_weights", {"model_path": "/ckpt/v1", "version": 1}), ("/admin/resume", {})):
             (await c.post(path, json=body)).raise_for_status()
         lat: list[float] = []
-        if mode == "continuing":
-            lat = list(await asyncio.gather(*(turn(n, h) for n, h in zip(names, histories))))
+        if mode == "continuing":  # one at a time: the latency of a next turn, not of a queue
+            for n, h in zip(names, histories):
+                lat.append(await turn(n, h))
         t0 = time.perf_counter()
         paused = await c.post("/admin/pause", json={})
         pause_wait = time.perf_counter() - t0
@@ -105,6 +106,7 @@ async def _case(surl: str, purl: str, turns: int, tokens: int, sessions: int, mo
         for path, body in (("/admin/update_weights", {"model_path": "/ckpt/v2", "version": 2}), ("/admin/resume", {})):
             (await c.post(path, json=body)).raise_for_status()
         d = {k: after[k] - before[k] for k in before}
+        stages = _stages((await c.get("/metrics")).text)
         return {
             "turns": turns, "tokens": tokens, "sessions": sessions, "mode": mode,
             "prefill_calls": d["prefill_calls"], "prefill_calls_per_session": d["prefill_calls"] / sessions,
@@ -112,7 +114,20 @@ async def _case(surl: str, purl: str, turns: int, tokens: int, sessions: int, mo
             "input_logprob_tokens": d["input_logprob_tokens"], "pause_wait_s": pause_wait,
             "next_turn_p50_ms": statistics.median(lat) * 1e3 if lat else None,
             "missing_tokens": (paused.json().get("recompute") or {}).get("missing_tokens"),
+            "stage_ms": stages,
         }  # fmt: skip
+
+
+def _stages(text: str) -> dict[str, float]:
+    """Mean ms per turn of the proxy's stages, from /metrics (sum / count per stage label)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        for suffix, into in (("_sum{", sums), ("_count{", counts)):
+            if line.startswith("splice_stage_seconds" + suffix):
+                label = line.split('stage="', 1)[1].split('"', 1)[0]
+                into[label] = float(line.rsplit(" ", 1)[1])
+    return {k: round(1e3 * sums[k] / counts[k], 3) for k in sums if counts.get(k)}
 
 
 def run(args) -> dict:

@@ -196,6 +196,7 @@ class RecomputeScheduler:
         self._tasks: set[asyncio.Task] = set()
         self._owed_version: int | None = None
         self._owed: set[str] = set()
+        self._fills: set[asyncio.Task] = set()
 
     # -- which sessions owe values (kept in memory: the turn path asks in O(1)) ----------------
 
@@ -261,18 +262,36 @@ class RecomputeScheduler:
             return None  # its sample will be dropped at pull: never paid for
         return Piggyback(path, version, elsewhere)
 
-    def fill_from(self, pig: Piggyback, gen: Generation) -> int:
-        """Write the values the turn's call returned; returns how many tokens got one."""
+    def fill_from(self, pig: Piggyback, gen: Generation) -> None:
+        """Write the values the turn's call returned, in a worker thread after the turn answers
+        (``flush`` and every deadline wait for it first)."""
         if gen.prompt_logprobs_version != pig.version or not gen.prompt_logprobs:
-            return 0  # the weights moved first, or the engine gave none: a deadline settles them
+            return  # the weights moved first, or the engine gave none: a deadline settles them
         values = place(pig.path, gen.prompt_logprobs, gen.prompt_logprobs_start)
-        changed = self.store.turns.fill_proximal(values, pig.version)
+        sid = pig.path.session_id
+        if not pig.elsewhere and self._owed_version == pig.version:
+            self._owed.discard(sid)  # its next turn must not ask again
+        task = asyncio.get_running_loop().create_task(self._fill(pig, values))
+        self._fills.add(task)
+        task.add_done_callback(self._fills.discard)
+
+    async def _fill(self, pig: Piggyback, values: dict[str, list[float | None]]) -> int:
+        try:
+            changed = await asyncio.to_thread(self.store.turns.fill_proximal, values, pig.version)
+        except Exception:
+            log.exception("session %s: could not store the proximal values of its next turn", pig.path.session_id)
+            if self._owed_version == pig.version:
+                self._owed.add(pig.path.session_id)  # a deadline settles them
+            return 0
         if changed:
             self.metrics.recomputed.inc(changed)
             self.metrics.piggybacked.inc(changed)
-        if not pig.elsewhere and changed >= pig.path.owed_tokens and self._owed_version == pig.version:
-            self._owed.discard(pig.path.session_id)
         return changed
+
+    async def flush(self) -> None:
+        """Wait until values taken from next turns are stored."""
+        while self._fills:
+            await asyncio.gather(*list(self._fills), return_exceptions=True)
 
     # -- deadlines --------------------------------------------------------------------------------
 
@@ -280,6 +299,7 @@ class RecomputeScheduler:
         """Prefill what is owed now (``closed_only``: rewarded sessions only), per leaf, waiting
         at most ``deadline_s`` (default: the configured deadline)."""
         report = RecomputeReport()
+        await self.flush()  # values next turns already brought are not prefilled again
         if self.pool.paused:
             return report
         deadline = self.deadline_s if deadline_s is None else float(deadline_s)
@@ -359,5 +379,6 @@ class RecomputeScheduler:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def drain(self) -> None:
+        await self.flush()
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -201,18 +201,21 @@ class TurnRunner:
         so the prompt is re-read anyway). O(1) for a session that owes nothing."""
         if self.recompute is None or p.new_session or not self.recompute.owes(p.session_id):
             return None
+        t0 = time.perf_counter()
         try:
             return await self.recompute.piggyback(p.session_id, p.prompt_ids)
         except Exception:  # noqa: BLE001 - never fail a turn over R2: a deadline settles the values
             log.exception("session %s: could not plan its owed proximal values", p.session_id)
             return None
+        finally:
+            self.metrics.stage_seconds.labels("r2_plan").observe(time.perf_counter() - t0)
 
     def _settle_owed(self, p: Plan, gen: Generation, pig: Piggyback | None) -> None:
         if self.recompute is None:
             return
         try:
             if pig is not None:
-                self.recompute.fill_from(pig, gen)
+                self.recompute.fill_from(pig, gen)  # stored in the background, off this turn
             self.recompute.note_turn(p.session_id, gen)
         except Exception:  # noqa: BLE001 - the turn is committed; the values stay owed
             log.exception("session %s: could not store the proximal values of its next turn", p.session_id)

@@ -91,6 +91,7 @@ class Harness:
         body = {"model": "m", "messages": messages, "stream": stream}
         r = await self.c.post("/v1/chat/completions", json=body, headers={"X-Session-Id": sid})
         assert r.status_code == 200, r.text
+        await self.app.state.recompute.flush()  # values a next turn brought are stored after it answers
         if not stream:
             return r.json()["choices"][0]["message"]["content"]
         text = ""
