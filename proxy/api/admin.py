@@ -75,6 +75,7 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
         except ValueError as exc:  # an engine id this proxy does not have
             raise bad_request(str(exc), param="engines") from exc
         metrics.version.set(pool.version)
+        await recompute.refresh()  # which sessions owe values now: their next turns compute them
         if not pool.paused:
             recompute.soon()  # closed sessions now; open ones at their next turn or the next pause
         return JSONResponse({"success": True, "version": pool.version, **(report or {})})
@@ -84,6 +85,7 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
         body = await read_model(request, FleetVersionBody)
         await _engine(pool.announce_version(body.version, model_path=body.model_path or None))
         metrics.version.set(body.version)
+        await recompute.refresh()
         if not pool.paused:
             recompute.soon()
         return JSONResponse({"version": pool.version})

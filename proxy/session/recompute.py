@@ -197,6 +197,7 @@ class RecomputeScheduler:
         self._owed_version: int | None = None
         self._owed: set[str] = set()
         self._fills: set[asyncio.Task] = set()
+        self._refreshing: asyncio.Task | None = None
 
     # -- which sessions owe values (kept in memory: the turn path asks in O(1)) ----------------
 
@@ -207,8 +208,12 @@ class RecomputeScheduler:
 
     def _index(self) -> set[str]:
         v = self.pool.version
-        if self._owed_version != v:  # the version moved without refresh(): read it now, once
-            self._owed, self._owed_version = set(self.store.turns.owed_sessions(v)), v
+        if self._owed_version != v:
+            # The version moved without an admin call (the pool followed its engines): read the
+            # index in the background; until then no turn piggybacks (the deadline covers them).
+            if self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.get_running_loop().create_task(self.refresh())
+            return set()
         return self._owed
 
     async def refresh(self) -> None:
@@ -356,9 +361,7 @@ class RecomputeScheduler:
 
     def soon(self) -> None:
         """Recompute closed sessions in the background (failures are logged; the values stay owed)."""
-        loop = asyncio.get_running_loop()
-        loop.create_task(self.refresh())
-        task = loop.create_task(self._safe_run())
+        task = asyncio.get_running_loop().create_task(self._safe_run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
