@@ -339,6 +339,8 @@ class RecomputeScheduler:
         """The pause deadline: settle what is owed (at most ``deadline_s``), then count what is
         left as missing; the pause always proceeds."""
         await self.cancel_background()
+        if self.pool.paused:
+            return RecomputeReport()  # paused already: the previous pause counted what was left
         report = await self.settle() if recompute else RecomputeReport()
         version = self.pool.version
         left = await asyncio.to_thread(self.store.turns.owed_tokens, version)
