@@ -6,6 +6,12 @@ whole; ``publish`` runs the fleet weight-update protocol (``trainer_bridge.publi
 of the form ``dns://NAME:PORT`` stands for every address the name resolves to (a Kubernetes
 headless Service), resolved when the client is made.
 
+Samples are pulled as an Apache Arrow IPC stream (``Accept: application/vnd.apache.arrow.stream``;
+docs/samples.md) and handed to the trainer as dicts of NumPy arrays (int32 ids and versions,
+float32 logprobs, uint8 mask); a proxy that answers JSON is read too. Either way the sample
+schema version must be the one this trainer reads (``SCHEMA_VERSION``), else
+:class:`SchemaVersionError`.
+
 Transient trouble (connection errors, 429, 5xx) is retried with exponential backoff, honouring
 ``Retry-After``. Anything else the proxy reports comes back as :class:`ProxyError`, carrying
 the message of the proxy's OpenAI-shaped error body.
@@ -22,8 +28,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import numpy as np
+import pyarrow as pa
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+SCHEMA_VERSION = 1  # the sample schema this trainer reads (proxy/schemas/sample.schema.json)
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+TOKEN_ARRAYS = ("input_ids", "loss_mask", "logprobs", "versions", "proximal_logprobs_t", "proximal_versions")
 
 
 class ProxyError(RuntimeError):
@@ -37,6 +48,57 @@ class ProxyError(RuntimeError):
         self.type = type
         self.code = code
         self.url = url
+
+
+class SchemaVersionError(ProxyError):
+    """The proxy sent samples in a schema version this trainer does not read."""
+
+
+def check_schema_version(version: Any, url: str = "") -> None:
+    """Refuse samples whose ``schema_version`` is not ``SCHEMA_VERSION`` (missing: older than 1)."""
+    if version is not None and str(version) == str(SCHEMA_VERSION):
+        return
+    if version is None:
+        why = "without a schema_version (a proxy older than sample schema 1); upgrade the proxy"
+    else:
+        try:
+            newer = int(version) > SCHEMA_VERSION
+        except (TypeError, ValueError):
+            newer = False
+        why = f"in sample schema version {version!r}; " + ("upgrade the trainer" if newer else "upgrade the proxy")
+    raise SchemaVersionError(
+        f"the proxy sent samples {why}: this trainer reads sample schema version {SCHEMA_VERSION} only "
+        "(docs/samples.md). The lease was not acked; its samples return to the pool when it times out.",
+        code="unsupported_schema_version", url=url,
+    )
+
+
+def read_arrow_samples(data: bytes, url: str = "") -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """An Arrow IPC stream of samples -> (``splice.*`` metadata without the prefix, samples).
+
+    Each sample is a dict with the JSON sample's keys; per-token arrays are writable NumPy
+    arrays (int32 ids and versions, float32 logprobs, uint8 mask). The schema version is
+    checked before any record batch is read.
+    """
+    reader = pa.ipc.open_stream(data)
+    meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
+    meta = {k.removeprefix("splice."): v for k, v in meta.items() if k.startswith("splice.")}
+    check_schema_version(meta.get("schema_version"), url)
+    samples: list[dict[str, Any]] = []
+    for batch in reader:
+        rows = [dict() for _ in range(batch.num_rows)]
+        for name, column in zip(batch.schema.names, batch.columns):
+            if name in TOKEN_ARRAYS:
+                offsets = column.offsets.to_numpy()
+                offsets = offsets - offsets[0]
+                flat = np.array(column.flatten().to_numpy(zero_copy_only=False))  # one writable copy per chunk
+                for i, row in enumerate(rows):
+                    row[name] = flat[offsets[i] : offsets[i + 1]]
+            else:
+                for row, value in zip(rows, column.to_pylist()):
+                    row[name] = value
+        samples.extend(rows)
+    return meta, samples
 
 
 def resolve_dns(name_port: str, *, scheme: str = "http") -> list[str]:
@@ -113,6 +175,7 @@ class ProxyClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         transport: httpx.BaseTransport | None = None,
+        arrow: bool = True,
     ):
         self.urls = resolve_proxies(urls)
         if not self.urls:
@@ -124,6 +187,8 @@ class ProxyClient:
         self.max_backoff_s = max_backoff_s
         self._leases: dict[str, list[tuple[int, str]]] = {}  # our lease id -> (proxy index, its lease id)
         self._next = 0  # round-robin start for pulls
+        self.arrow = arrow  # ask for Arrow samples (JSON answers are read too)
+        self.last_pull: dict[str, Any] = {}  # response-level fields of the last pull (schema_version, dropped_stale, ...)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -136,11 +201,15 @@ class ProxyClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, index: int, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
+    def _request(self, index: int, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None,
+                 *, accept: str | None = None, raw: bool = False) -> Any:
+        """JSON of the answer (``raw``: the ``httpx.Response`` itself), after retries."""
         url = self.urls[index].rstrip("/") + path
         kwargs: dict[str, Any] = {} if body is None else {"json": body}
         if timeout_s is not None:
             kwargs["timeout"] = timeout_s
+        if accept is not None:
+            kwargs["headers"] = {"Accept": accept}
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
@@ -157,6 +226,8 @@ class ProxyClient:
                 continue
             if response.is_error:
                 raise _error_from(response)
+            if raw:
+                return response
             return response.json() if response.content else {}
         raise AssertionError("unreachable")
 
@@ -207,9 +278,20 @@ class ProxyClient:
     def _pull_one(self, index: int, max_samples: int, wait_s: float) -> tuple[str | None, list[dict[str, Any]]]:
         body = {"max_samples": int(max_samples), "wait_s": float(wait_s)}
         timeout = self._http.timeout.read
-        reply = self._request(index, "POST", "/v1/trajectories/pull", body, timeout_s=None if timeout is None else timeout + wait_s)
-        samples = list(reply.get("samples") or [])
-        lease = reply.get("lease_id")
+        accept = f"{ARROW_STREAM}, application/json;q=0.5" if self.arrow else "application/json"
+        response = self._request(index, "POST", "/v1/trajectories/pull", body, timeout_s=None if timeout is None else timeout + wait_s,
+                                 accept=accept, raw=True)  # fmt: skip
+        url = str(response.request.url)
+        if response.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
+            meta, samples = read_arrow_samples(response.content, url)
+            lease = meta.get("lease_id")
+            self.last_pull = {k: int(v) if v.isdigit() else v for k, v in meta.items() if k != "lease_id"}
+        else:
+            reply = response.json()
+            check_schema_version(reply.get("schema_version"), url)
+            samples = list(reply.get("samples") or [])
+            lease = reply.get("lease_id")
+            self.last_pull = {k: v for k, v in reply.items() if k not in ("samples", "lease_id")}
         if not samples and lease is not None:
             self._request(index, "POST", "/v1/trajectories/ack", {"lease_id": lease})  # nothing to hold on to
             lease = None

@@ -36,6 +36,7 @@ from .packing import (
 )
 from .records import TurnRecord
 from .responses import ResponseTable, StoredResponse
+from .samples import TurnTokens
 from .sessions import SessionTable, read_session
 
 SELECT = (
@@ -213,6 +214,12 @@ class TurnTable:
         turns = [_turn(r, prompts[r[0]][0]) for r in rows]
         return sorted(turns, key=lambda t: t.index)
 
+    def tokens_in(self, c, session_id: str) -> list[TurnTokens]:
+        """Every turn of the session as NumPy arrays (sample assembly: no per-token Python lists)."""
+        rows = c.execute(SELECT + "WHERE t.session_id = ? ORDER BY t.seq", (session_id,)).fetchall()
+        prompts = self._decode_prompts(c, [(r[0], r[5], r[6], r[7], r[9]) for r in rows])
+        return sorted((_tokens(r, prompts[r[0]][0]) for r in rows), key=lambda t: t.index)
+
     def candidates(self, fingerprint: bytes, limit: int = 64) -> list[Candidate]:
         """Recorded turns a history fingerprint leads to, most recent first."""
         with self.db.read() as c:
@@ -342,6 +349,23 @@ def _owed_rows(c, version: int, *, light: bool = False) -> list:
         if np.any((versions == owed) & (pv == versions)):
             result.append(r)
     return result
+
+
+def _tokens(row, prompt: np.ndarray) -> TurnTokens:
+    (
+        _seq, turn_id, _session_id, idx, _parent, _base, _base_len, _tail, _n_out,
+        output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
+        created_at, sampling, _drift, _api, _response_id, abandoned,
+    ) = row  # fmt: skip
+    lp = unpack_f32(logprobs)
+    v = unpack_runs(versions)
+    plp, pv = unpack_proximal(lp, v, prox_lp, prox_v)
+    return TurnTokens(
+        turn_id=turn_id, index=idx, prompt_ids=prompt, output_ids=unpack_i32(output_ids), output_logprobs=lp,
+        versions=v, proximal_logprobs_t=plp, proximal_versions=pv, spliced=bool(spliced), fork_reason=fork_reason,
+        finish_reason=finish_reason, created_at=created_at, requested_sampling=orjson.loads(sampling),
+        abandoned=bool(abandoned),
+    )  # fmt: skip
 
 
 def _turn(row, prompt: np.ndarray) -> TurnRecord:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,9 +39,14 @@ def seed_002_turns(make_turn):
     ]
 
 
+def lists(sample) -> SimpleNamespace:
+    """The sample with its NumPy arrays as Python lists, so they compare with ``==``."""
+    return SimpleNamespace(**sample.to_dict())
+
+
 def check_seed_002(out):
     assert len(out) == 2
-    a, b = out
+    a, b = map(lists, out)
     for s in out:
         n = len(s.input_ids)
         assert all(len(x) == n for x in (s.loss_mask, s.logprobs, s.versions, s.proximal_logprobs_t, s.proximal_versions))
@@ -76,7 +82,7 @@ def test_seed_002_fails_with_first_match(make_turn, monkeypatch):
     with pytest.raises(AssertionError):
         check_seed_002(out)
     # the seed's bug exactly: B's sampled token 7 filed in A as prompt
-    assert out[0].input_ids[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert out[0].input_ids[:8].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert out[0].loss_mask[6] == 0
 
 
@@ -90,14 +96,15 @@ def test_spliced_session_is_one_sample_with_proximal_values(make_turn):
     t0.proximal_logprobs_t = [-0.5, t0.output_logprobs[1]]
     t0.proximal_versions = [1, 1]
     t1 = make_turn("s", 1, [5, 6, 7, 8, 100, 101], [9], version=1)
-    (s,) = assemble_samples(session(), [t0, t1])
+    (sample,) = assemble_samples(session(), [t0, t1])
+    s = lists(sample)
     assert s.input_ids == [5, 6, 7, 8, 100, 101, 9]
     assert s.loss_mask == [0, 0, 1, 1, 0, 0, 1]
     assert s.logprobs == [0.0, 0.0, -1 - 1 / 1024, -1 - 2 / 1024, 0.0, 0.0, -2 - 1 / 1024]
     assert s.versions == [-1, -1, 0, 1, -1, -1, 1]
     assert s.proximal_logprobs_t == [0.0, 0.0, -0.5, -1 - 2 / 1024, 0.0, 0.0, -2 - 1 / 1024]
     assert s.proximal_versions == [-1, -1, 1, 1, -1, -1, 1]
-    d = s.to_dict()
+    d = sample.to_dict()
     assert d["input_ids"] == s.input_ids and d["sample_id"] == "s:0" and d["reward"] == 1.5
 
 
@@ -106,8 +113,8 @@ def test_fork_starts_new_sample_and_leaves_earlier_alone(make_turn):
     t1 = make_turn("s", 1, [1, 2, 3, 4], [5])
     t2 = make_turn("s", 2, [1, 9, 3, 4], [6])  # history edited
     out = assemble_samples(session(), [t0, t1, t2])
-    assert [s.input_ids for s in out] == [[1, 2, 3, 4, 5], [1, 9, 3, 4, 6]]
-    assert [s.loss_mask for s in out] == [[0, 0, 1, 0, 1], [0, 0, 0, 0, 1]]
+    assert [s.input_ids.tolist() for s in out] == [[1, 2, 3, 4, 5], [1, 9, 3, 4, 6]]
+    assert [s.loss_mask.tolist() for s in out] == [[0, 0, 1, 0, 1], [0, 0, 0, 0, 1]]
 
 
 def test_empty_session():
