@@ -80,18 +80,16 @@ def read_arrow_samples(data: bytes, url: str = "") -> tuple[dict[str, str], list
     arrays (int32 ids and versions, float32 logprobs, uint8 mask). The schema version is
     checked before any record batch is read.
     """
-    reader = pa.ipc.open_stream(data)
+    reader = pa.ipc.open_stream(data, options=pa.ipc.IpcReadOptions(use_threads=False))
     meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
     meta = {k.removeprefix("splice."): v for k, v in meta.items() if k.startswith("splice.")}
     check_schema_version(meta.get("schema_version"), url)
     samples: list[dict[str, Any]] = []
     for batch in reader:
-        rows = [dict() for _ in range(batch.num_rows)]
+        rows: list[dict[str, Any]] = [{} for _ in range(batch.num_rows)]
         for name, column in zip(batch.schema.names, batch.columns):
             if name in TOKEN_ARRAYS:
-                offsets = column.offsets.to_numpy()
-                offsets = offsets - offsets[0]
-                flat = np.array(column.flatten().to_numpy(zero_copy_only=False))  # one writable copy per chunk
+                offsets, flat = _list_arrays(column)
                 for i, row in enumerate(rows):
                     row[name] = flat[offsets[i] : offsets[i + 1]]
             else:
@@ -99,6 +97,22 @@ def read_arrow_samples(data: bytes, url: str = "") -> tuple[dict[str, str], list
                     row[name] = value
         samples.extend(rows)
     return meta, samples
+
+
+_NUMPY = {pa.int32(): np.dtype("<i4"), pa.float32(): np.dtype("<f4"), pa.uint8(): np.dtype("u1")}
+
+
+def _list_arrays(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets from 0, one writable copy of the values) of a list column, read from its buffers."""
+    dtype = _NUMPY.get(column.type.value_type)
+    if dtype is None or column.null_count or column.values.null_count:
+        offsets = column.offsets.to_numpy()
+        return offsets - offsets[0], np.array(column.flatten().to_numpy(zero_copy_only=False))
+    bufs = column.buffers()  # [validity, offsets, child validity, child values]
+    offsets = np.frombuffer(bufs[1], np.int32, count=len(column) + 1, offset=4 * column.offset)
+    start = column.values.offset + int(offsets[0])
+    flat = np.frombuffer(bufs[3], dtype, count=int(offsets[-1] - offsets[0]), offset=dtype.itemsize * start).copy()
+    return offsets - offsets[0], flat
 
 
 def resolve_dns(name_port: str, *, scheme: str = "http") -> list[str]:

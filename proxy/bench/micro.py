@@ -10,6 +10,8 @@ Subcommands (each prints a table and writes JSON, ``--out FILE``, default ``benc
   zero-latency engine stand-in, against calling the stand-in directly.
 * ``soak``     N sessions x T turns in rounds with weight updates, pulls and rewards: turns/s,
   p50/p99, errors and the proxy's RSS per round (flat after the warm-up round).
+* ``pull``     the trainer pull at 1k / 10k / 100k tokens per sample: bytes per token and seconds
+               to serve and parse, JSON vs Arrow, and peak RSS for one 100k-token sample.
 * ``publish``  time of a fleet weight update across N proxies sharing two reference engines
   (N = 1, 4, 16), against the one-proxy-after-another protocol.
 """
@@ -432,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     from .publish import add_parser as add_publish_parser
 
     add_publish_parser(sub)
+    from .pull import add_parser as add_pull_parser
+
+    add_pull_parser(sub)
 
     args = ap.parse_args(argv)
     if args.name == "splice":
@@ -444,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         from .publish import run as _run_publish
 
         res = _run_publish(args)
+    elif args.name == "pull":
+        from .pull import run as _run_pull
+
+        res = _run_pull(args)
     elif args.name == "soak":
         from .soak import run as _run_soak
 

@@ -5,9 +5,10 @@ per-token arrays are ``list<int32>`` (ids, versions), ``list<float32>`` (logprob
 ``list<uint8>`` (mask), built straight from the NumPy arrays of assembly (no per-token Python
 objects). Response-level fields (lease id, schema version, ``dropped_stale``) travel in the
 schema's metadata under ``splice.*`` keys, so a saved stream still says what it is.
-Buffers are zstd-compressed by default (a standard IPC option every Arrow reader decodes):
+Buffers are LZ4-compressed by default (a standard IPC option every Arrow reader decodes):
 versions are long runs and context tokens carry zeros, which is how a sample stays well under
-the 21 bytes per token of its raw arrays.
+the 21 bytes per token of its raw arrays. LZ4 rather than zstd: zstd saves another ~1.5 bytes
+per token but takes twice as long to decode (``splice bench pull``, docs/samples.md).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def chunks(samples: Iterable[Sample], chunk_tokens: int = CHUNK_TOKENS) -> Itera
         yield record_batch(pending)
 
 
-def ipc_stream(samples: Iterable[Sample], *, compression: str | None = "zstd", chunk_tokens: int = CHUNK_TOKENS,
+def ipc_stream(samples: Iterable[Sample], *, compression: str | None = "lz4", chunk_tokens: int = CHUNK_TOKENS,
                **metadata: object) -> Iterator[bytes]:
     """The Arrow IPC stream of ``samples``, as byte chunks to send as they are made (the schema
     first, then one piece per record batch, then the end-of-stream marker)."""
@@ -117,7 +118,8 @@ def ipc_stream(samples: Iterable[Sample], *, compression: str | None = "zstd", c
         buf.truncate()
         return out
 
-    options = pa.ipc.IpcWriteOptions(compression=compression)
+    # one thread: the buffers of a chunk are small, and the pull must not take every core from turns
+    options = pa.ipc.IpcWriteOptions(compression=compression, use_threads=False)
     with pa.ipc.new_stream(buf, schema(**metadata), options=options) as writer:
         yield drain()
         for batch in chunks(samples, chunk_tokens):

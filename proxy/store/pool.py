@@ -70,7 +70,7 @@ class TrainingPool:
                 count = 0
                 for session_id in unit.session_ids:
                     session = read_session(c, session_id)
-                    count += len(assemble_samples(session, self.turns.tokens_in(c, session_id)))
+                    count += len(assemble_samples(session, self.turns.iter_tokens(c, session_id)))
                 if not count:
                     empty.extend(unit.session_ids)
                     continue
@@ -98,9 +98,8 @@ class TrainingPool:
         for session_id in session_ids:
             with self.db.read(snapshot=True) as c:
                 session = read_session(c, session_id)
-                turns = self.turns.tokens_in(c, session_id) if session is not None else []
-            if session is not None:
-                yield from assemble_samples(session, turns)
+                samples = assemble_samples(session, self.turns.iter_tokens(c, session_id)) if session is not None else []
+            yield from samples
 
     def rewarded(self, *, since: float | None = None, acked: bool = False, after: tuple[float, str] | None = None,
                  limit: int = 1000) -> list[tuple[float, str]]:

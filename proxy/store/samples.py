@@ -12,6 +12,7 @@ assembled. The shape handed out is versioned (``SAMPLE_SCHEMA_VERSION``,
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -194,28 +195,44 @@ _choose = _longest  # the rule, named so a test can prove the first-match rule w
 
 
 @dataclass
+class _Part:
+    """What a sample keeps of one turn once planned: its span and output arrays, not its prompt."""
+
+    span: TurnSpan
+    logprobs: np.ndarray
+    versions: np.ndarray
+    proximal_logprobs_t: np.ndarray
+    proximal_versions: np.ndarray
+    trainable: bool
+
+
+@dataclass
 class _Plan:
     """A sample being planned: its current tokens (the last turn's prompt + output) and turns."""
 
     sample: Sample
     ids: np.ndarray
-    parts: list[tuple[TurnTokens, int, int]] = field(default_factory=list)  # (turn, context_start, start)
+    parts: list[_Part] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.ids.size)
 
 
-def assemble_samples(session: SessionRecord, turns: "list[TurnRecord] | list[TurnTokens]") -> list[Sample]:
+def assemble_samples(session: SessionRecord, turns: "Iterable[TurnRecord | TurnTokens]") -> list[Sample]:
     """Merge turns into prefix-stable samples.
 
-    Turns are taken in index order. A turn whose prompt starts with an existing sample's full
-    token list extends that sample (new prompt tokens masked out, output tokens trained on);
-    when several samples match, the longest wins, because a shorter match is a stale prefix
-    of a later rollback branch (seed 002) and extending it would file sampled tokens as prompt.
-    Otherwise the turn starts a new sample; earlier samples are never modified by a fork.
+    Turns are taken in index order: a list is sorted here; any other iterable must already
+    come in index order (``TurnTable.iter_tokens``), and is consumed one turn at a time so
+    only the samples' own tokens stay in memory, not every turn's prompt.
+    A turn whose prompt starts with an existing sample's full token list extends that sample
+    (new prompt tokens masked out, output tokens trained on); when several samples match, the
+    longest wins, because a shorter match is a stale prefix of a later rollback branch (seed
+    002) and extending it would file sampled tokens as prompt. Otherwise the turn starts a new
+    sample; earlier samples are never modified by a fork.
     """
+    ordered = sorted(turns, key=lambda t: t.index) if isinstance(turns, (list, tuple)) else turns
     plans: list[_Plan] = []
-    for turn in sorted((TurnTokens.of(t) for t in turns), key=lambda t: t.index):
+    for turn in map(TurnTokens.of, ordered):
         if turn.abandoned:  # never delivered to its client: not a trajectory anyone acted on
             continue
         turn.check()
@@ -245,7 +262,10 @@ def assemble_samples(session: SessionRecord, turns: "list[TurnRecord] | list[Tur
             )
             plan = _Plan(sample, np.empty(0, I32))
             plans.append(plan)
-        plan.parts.append((turn, len(plan), prompt.size))
+        plan.parts.append(
+            _Part(turn.span(len(plan), prompt.size), turn.output_logprobs, turn.versions, turn.proximal_logprobs_t,
+                  turn.proximal_versions, (turn.requested_sampling or {}).get("trainable") is not False)
+        )  # fmt: skip
         plan.ids = np.concatenate([prompt, turn.output_ids])
     return [_fill(p) for p in plans]
 
@@ -259,14 +279,13 @@ def _fill(plan: _Plan) -> Sample:
     s.versions = np.full(n, -1, I32)
     s.proximal_logprobs_t = np.zeros(n, F32)
     s.proximal_versions = np.full(n, -1, I32)
-    for turn, context_start, start in plan.parts:
-        end = start + turn.output_ids.size
+    for part in plan.parts:
+        start, end = part.span.start, part.span.start + part.span.length
         s.loss_mask[start:end] = 1
-        s.logprobs[start:end] = turn.output_logprobs
-        s.versions[start:end] = turn.versions
-        s.proximal_logprobs_t[start:end] = turn.proximal_logprobs_t
-        s.proximal_versions[start:end] = turn.proximal_versions
-        s.turns.append(turn.span(context_start, start))
-        if (turn.requested_sampling or {}).get("trainable") is False:
-            s.trainable = False
+        s.logprobs[start:end] = part.logprobs
+        s.versions[start:end] = part.versions
+        s.proximal_logprobs_t[start:end] = part.proximal_logprobs_t
+        s.proximal_versions[start:end] = part.proximal_versions
+        s.turns.append(part.span)
+        s.trainable &= part.trainable
     return s

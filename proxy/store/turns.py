@@ -12,7 +12,7 @@ token for one 10k-token turn, 9.2 for 20 spliced turns of 500 tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -214,11 +214,33 @@ class TurnTable:
         turns = [_turn(r, prompts[r[0]][0]) for r in rows]
         return sorted(turns, key=lambda t: t.index)
 
-    def tokens_in(self, c, session_id: str) -> list[TurnTokens]:
-        """Every turn of the session as NumPy arrays (sample assembly: no per-token Python lists)."""
+    def iter_tokens(self, c, session_id: str) -> Iterator[TurnTokens]:
+        """Every turn of the session as NumPy arrays, in index order, decoded one at a time.
+
+        A prompt is rebuilt from its base (an earlier turn's prompt + output) and its tail; a
+        base is kept only until its last user is decoded, so a pull of a session of K turns
+        holds O(context) tokens, not O(K * context). Nothing goes into the prompt cache: a
+        rewarded session's turns are read once, by the pull.
+        """
         rows = c.execute(SELECT + "WHERE t.session_id = ? ORDER BY t.seq", (session_id,)).fetchall()
-        prompts = self._decode_prompts(c, [(r[0], r[5], r[6], r[7], r[9]) for r in rows])
-        return sorted((_tokens(r, prompts[r[0]][0]) for r in rows), key=lambda t: t.index)
+        if any(a[3] > b[3] for a, b in zip(rows, rows[1:])):  # indices given out of commit order (tests, imports)
+            decoded = self._decode_prompts(c, [(r[0], r[5], r[6], r[7], r[9]) for r in rows])
+            yield from sorted((_tokens(r, decoded[r[0]][0]) for r in rows), key=lambda t: t.index)
+            return
+        last_use = {r[5]: i for i, r in enumerate(rows) if r[5] is not None}
+        full: dict[int, np.ndarray] = {}
+        for i, row in enumerate(rows):
+            seq, base, base_len, tail, output_ids = row[0], row[5], row[6], row[7], row[9]
+            if base is None:
+                head = np.empty(0, dtype=I32)
+            else:
+                head = (full[base] if base in full else self._full_sequence(c, base))[:base_len]
+                if last_use[base] == i:
+                    full.pop(base, None)
+            prompt = np.concatenate([head, unpack_i32(tail)])
+            if last_use.get(seq, -1) > i:
+                full[seq] = np.concatenate([prompt, unpack_i32(output_ids)])
+            yield _tokens(row, prompt)
 
     def candidates(self, fingerprint: bytes, limit: int = 64) -> list[Candidate]:
         """Recorded turns a history fingerprint leads to, most recent first."""

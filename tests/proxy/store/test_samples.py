@@ -137,3 +137,36 @@ def test_turns_sampled_with_the_agents_settings_mark_the_sample_untrainable():
     assert a.to_dict()["trainable"] is False
     (b,) = assemble_samples(session, [turn(0, [1, 2], [3], True)])
     assert b.to_dict()["trainable"] is True
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [2, 0, 3, 1]])
+def test_turns_streamed_from_the_store_give_the_seed_002_samples(store, make_turn, order):
+    """``TurnTable.iter_tokens`` decodes prompts from their stored bases one turn at a time (and
+    in index order even when turns were committed out of order)."""
+    store.sessions.upsert("s", group_id="g")
+    turns = seed_002_turns(make_turn)
+    for k in order:
+        store.turns.add(turns[k])
+    store.sessions.set_reward("s", 1.5)
+    with store.db.read(snapshot=True) as c:
+        streamed = store.turns.iter_tokens(c, "s")
+        assert not isinstance(streamed, list)
+        check_seed_002(assemble_samples(store.sessions.get("s"), streamed))
+
+
+def test_long_spliced_session_streams_with_prompts_from_bases(store, make_turn):
+    """40 spliced turns: every prompt rebuilt from the previous turn's tokens, identical to what was stored."""
+    store.sessions.upsert("L")
+    prompt, turns = list(range(1, 50)), []
+    for k in range(40):
+        t = make_turn("L", k, prompt, [1000 + 10 * k + j for j in range(5)], parent=f"L-t{k - 1}" if k else None)
+        store.turns.add(t)
+        turns.append(t)
+        prompt = prompt + t.output_ids + [7, 7, k]
+    store.sessions.set_reward("L", 1.0)
+    with store.db.read(snapshot=True) as c:
+        streamed = [(t.turn_id, t.prompt_ids.tolist(), t.output_ids.tolist()) for t in store.turns.iter_tokens(c, "L")]
+    assert streamed == [(t.turn_id, t.prompt_ids, t.output_ids) for t in turns]
+    (s,) = store.pool.samples(["L"])
+    assert s.input_ids.tolist() == turns[-1].prompt_ids + turns[-1].output_ids
+    assert int(s.loss_mask.sum()) == 40 * 5 and [t.start for t in s.turns] == [len(t.prompt_ids) for t in turns]
