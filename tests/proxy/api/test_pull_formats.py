@@ -11,8 +11,10 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pyarrow as pa
+import pytest
 from jsonschema import Draft202012Validator
 
+from proxy.api.training import wants_arrow
 from tests.proxy.api.samples_fixture import ARRAYS, LEASE_S, SCHEMA, check_expected, proxy  # noqa: F401 - fixture
 from trainer_bridge.client import ProxyClient
 
@@ -84,7 +86,7 @@ def test_sample_page_leases_nothing(proxy):
     r = httpx.get(proxy.url + "/v1/trajectories/samples", params={"limit": 1, "cursor": meta["splice.next_cursor"]})
     page = r.json()
     assert [s["sample_id"] for s in page["samples"]] == ["b:0"] and page["has_more"] is False
-    Draft202012Validator({**SCHEMA, "$ref": "#/$defs/sample"}).validate(page["samples"][0])
+    Draft202012Validator({**SCHEMA, "$ref": "#/$defs/page"}).validate(page)
     assert proxy.store.stats()["sessions_leased"] == 0
     lease, samples = proxy.store.pool.pull(10, 10.0)
     assert len(samples) == 3  # still all there for the trainer
@@ -94,3 +96,20 @@ def test_sample_page_leases_nothing(proxy):
     assert httpx.get(proxy.url + "/v1/trajectories/samples", params={"since": 1001.5, "acked": "true"}).json()["samples"][0]["sample_id"] == "b:0"
     bad = httpx.get(proxy.url + "/v1/trajectories/samples", params={"cursor": "nope"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize(
+    "accept, arrow",
+    [
+        (None, False),
+        ("application/json", False),
+        ("*/*", False),
+        (ARROW, True),
+        (f"{ARROW}, application/json;q=0.5", True),
+        (f"application/json, {ARROW.upper()};q=0.9", True),
+        (f"{ARROW};q=0", False),
+        (f"{ARROW};q=bogus", True),
+    ],
+)
+def test_accept_header_picks_the_format(accept, arrow):
+    assert wants_arrow(accept) is arrow
