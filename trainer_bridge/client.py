@@ -297,7 +297,10 @@ class ProxyClient:
                                  accept=accept, raw=True)  # fmt: skip
         url = str(response.request.url)
         if response.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
-            meta, samples = read_arrow_samples(response.content, url)
+            try:
+                meta, samples = read_arrow_samples(response.content, url)
+            except (pa.ArrowException, OSError) as exc:  # cut off mid-stream: the lease times out, nothing is lost
+                raise ProxyError(f"the proxy's Arrow answer is not a complete stream ({exc})", url=url) from exc
             lease = meta.get("lease_id")
             self.last_pull = {k: int(v) if v.isdigit() else v for k, v in meta.items() if k != "lease_id"}
         else:

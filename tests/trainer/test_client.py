@@ -197,3 +197,13 @@ def test_arrow_reply_is_read_with_its_lease():
     respx.post(f"{URL}/v1/trajectories/pull").mock(return_value=_arrow_reply("1"))
     lease, samples = ProxyClient(URL).pull(4)
     assert lease == "L9" and samples[0]["sample_id"] == "x" and samples[0]["input_ids"].tolist() == [1, 2]
+
+
+@respx.mock
+def test_a_cut_off_arrow_stream_is_a_proxy_error():
+    whole = _arrow_reply("1").content
+    respx.post(f"{URL}/v1/trajectories/pull").respond(
+        200, content=whole[: len(whole) - 40], headers={"content-type": "application/vnd.apache.arrow.stream"}
+    )
+    with pytest.raises(ProxyError, match="not a complete stream"):
+        ProxyClient(URL).pull(4)
