@@ -8,7 +8,8 @@ proxy (``--proxy URL``: ``GET /v1/trajectories/samples``, Arrow) or a store file
 pulled like a trainer pulls them and each lease is acked once its file is complete.
 
 Each page (or lease) becomes one file, written under a temporary name and renamed when
-complete, so a directory never holds a half-written file; memory stays at one record batch.
+complete, so a directory never holds a half-written file. Memory: one record batch at a time
+from a store file; one answer (a page of sessions, or a lease) at a time from a proxy.
 """
 
 from __future__ import annotations
