@@ -180,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="the whole loop: engine, proxy, agents, trainer", add_help=False)
     sub.add_parser("train", help="the GRPO trainer loop against one or more proxies", add_help=False)
     sub.add_parser("publish", help="publish weights to a fleet of proxies (each engine loads once)", add_help=False)
-    sub.add_parser("bench", help="benchmarks (overhead, splice, store, logprobs)", add_help=False)
+    sub.add_parser("bench", help="benchmarks (overhead, splice, store, logprobs, pull)", add_help=False)
+    sub.add_parser("export", help="training samples to Parquet files (HF datasets)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("engine", "init-model", "demo", "train", "publish", "bench"):
+    if argv and argv[0] in ("engine", "init-model", "demo", "train", "publish", "bench", "export"):
         cmd, rest = argv[0], argv[1:]
         if cmd == "engine":
             from engines.reference.server import main as engine_main
@@ -206,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import main as demo_main
 
             return demo_main(rest) or 0
+        if cmd == "export":
+            from .export import main as export_main
+
+            return export_main(rest) or 0
         if cmd == "bench":
             from .bench import main as bench_main
 

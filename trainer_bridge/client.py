@@ -6,6 +6,12 @@ whole; ``publish`` runs the fleet weight-update protocol (``trainer_bridge.publi
 of the form ``dns://NAME:PORT`` stands for every address the name resolves to (a Kubernetes
 headless Service), resolved when the client is made.
 
+Samples are pulled as an Apache Arrow IPC stream (``Accept: application/vnd.apache.arrow.stream``;
+docs/samples.md) and handed to the trainer as dicts of NumPy arrays (int32 ids and versions,
+float32 logprobs, uint8 mask); a proxy that answers JSON is read too. Either way the sample
+schema version must be the one this trainer reads (``SCHEMA_VERSION``), else
+:class:`SchemaVersionError`.
+
 Transient trouble (connection errors, 429, 5xx) is retried with exponential backoff, honouring
 ``Retry-After``. Anything else the proxy reports comes back as :class:`ProxyError`, carrying
 the message of the proxy's OpenAI-shaped error body.
@@ -22,8 +28,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import numpy as np
+import pyarrow as pa
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+SCHEMA_VERSION = 1  # the sample schema this trainer reads (proxy/schemas/sample.schema.json)
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+TOKEN_ARRAYS = ("input_ids", "loss_mask", "logprobs", "versions", "proximal_logprobs_t", "proximal_versions")
 
 
 class ProxyError(RuntimeError):
@@ -37,6 +48,71 @@ class ProxyError(RuntimeError):
         self.type = type
         self.code = code
         self.url = url
+
+
+class SchemaVersionError(ProxyError):
+    """The proxy sent samples in a schema version this trainer does not read."""
+
+
+def check_schema_version(version: Any, url: str = "") -> None:
+    """Refuse samples whose ``schema_version`` is not ``SCHEMA_VERSION`` (missing: older than 1)."""
+    if version is not None and str(version) == str(SCHEMA_VERSION):
+        return
+    if version is None:
+        why = "without a schema_version (a proxy older than sample schema 1); upgrade the proxy"
+    else:
+        try:
+            newer = int(version) > SCHEMA_VERSION
+        except (TypeError, ValueError):
+            newer = False
+        why = f"in sample schema version {version!r}; " + ("upgrade the trainer" if newer else "upgrade the proxy")
+    raise SchemaVersionError(
+        f"the proxy sent samples {why}: this trainer reads sample schema version {SCHEMA_VERSION} only "
+        "(docs/samples.md). The lease was not acked; its samples return to the pool when it times out.",
+        code="unsupported_schema_version", url=url,
+    )
+
+
+def read_arrow_samples(data: bytes, url: str = "") -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """An Arrow IPC stream of samples -> (``splice.*`` metadata without the prefix, samples).
+
+    Each sample is a dict with the JSON sample's keys; per-token arrays are writable NumPy
+    arrays (int32 ids and versions, float32 logprobs, uint8 mask). The schema version is
+    checked before any record batch is read.
+    """
+    reader = pa.ipc.open_stream(data, options=pa.ipc.IpcReadOptions(use_threads=False))
+    meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
+    meta = {k.removeprefix("splice."): v for k, v in meta.items() if k.startswith("splice.")}
+    check_schema_version(meta.get("schema_version"), url)
+    samples: list[dict[str, Any]] = []
+    for batch in reader:
+        rows: list[dict[str, Any]] = [{} for _ in range(batch.num_rows)]
+        for name, column in zip(batch.schema.names, batch.columns):
+            if name in TOKEN_ARRAYS:
+                offsets, flat = _list_arrays(column)
+                for i, row in enumerate(rows):
+                    row[name] = flat[offsets[i] : offsets[i + 1]]
+            else:
+                for row, value in zip(rows, column.to_pylist()):
+                    row[name] = value
+        samples.extend(rows)
+    return meta, samples
+
+
+_NUMPY = {pa.int32(): np.dtype("<i4"), pa.float32(): np.dtype("<f4"), pa.uint8(): np.dtype("u1")}
+
+
+def _list_arrays(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets from 0, one writable copy of the values) of a list column, read from its buffers."""
+    dtype = _NUMPY.get(column.type.value_type)
+    if dtype is None or column.null_count or column.values.null_count:
+        offsets = column.offsets.to_numpy()
+        return offsets - offsets[0], np.array(column.flatten().to_numpy(zero_copy_only=False))
+    bufs = column.buffers()  # [validity, offsets, child validity, child values]
+    offsets = np.frombuffer(bufs[1], np.int32, count=len(column) + 1, offset=4 * column.offset)
+    start = column.values.offset + int(offsets[0])
+    flat = np.frombuffer(bufs[3], dtype, count=int(offsets[-1] - offsets[0]), offset=dtype.itemsize * start).copy()
+    return offsets - offsets[0], flat
 
 
 def resolve_dns(name_port: str, *, scheme: str = "http") -> list[str]:
@@ -113,6 +189,7 @@ class ProxyClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         transport: httpx.BaseTransport | None = None,
+        arrow: bool = True,
     ):
         self.urls = resolve_proxies(urls)
         if not self.urls:
@@ -124,6 +201,8 @@ class ProxyClient:
         self.max_backoff_s = max_backoff_s
         self._leases: dict[str, list[tuple[int, str]]] = {}  # our lease id -> (proxy index, its lease id)
         self._next = 0  # round-robin start for pulls
+        self.arrow = arrow  # ask for Arrow samples (JSON answers are read too)
+        self.last_pull: dict[str, Any] = {}  # response-level fields of the last pull (schema_version, dropped_stale, ...)
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -136,11 +215,15 @@ class ProxyClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, index: int, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
+    def _request(self, index: int, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None,
+                 *, accept: str | None = None, raw: bool = False) -> Any:
+        """JSON of the answer (``raw``: the ``httpx.Response`` itself), after retries."""
         url = self.urls[index].rstrip("/") + path
         kwargs: dict[str, Any] = {} if body is None else {"json": body}
         if timeout_s is not None:
             kwargs["timeout"] = timeout_s
+        if accept is not None:
+            kwargs["headers"] = {"Accept": accept}
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
@@ -157,6 +240,8 @@ class ProxyClient:
                 continue
             if response.is_error:
                 raise _error_from(response)
+            if raw:
+                return response
             return response.json() if response.content else {}
         raise AssertionError("unreachable")
 
@@ -207,9 +292,23 @@ class ProxyClient:
     def _pull_one(self, index: int, max_samples: int, wait_s: float) -> tuple[str | None, list[dict[str, Any]]]:
         body = {"max_samples": int(max_samples), "wait_s": float(wait_s)}
         timeout = self._http.timeout.read
-        reply = self._request(index, "POST", "/v1/trajectories/pull", body, timeout_s=None if timeout is None else timeout + wait_s)
-        samples = list(reply.get("samples") or [])
-        lease = reply.get("lease_id")
+        accept = f"{ARROW_STREAM}, application/json;q=0.5" if self.arrow else "application/json"
+        response = self._request(index, "POST", "/v1/trajectories/pull", body, timeout_s=None if timeout is None else timeout + wait_s,
+                                 accept=accept, raw=True)  # fmt: skip
+        url = str(response.request.url)
+        if response.headers.get("content-type", "").split(";")[0].strip() == ARROW_STREAM:
+            try:
+                meta, samples = read_arrow_samples(response.content, url)
+            except (pa.ArrowException, OSError) as exc:  # cut off mid-stream: the lease times out, nothing is lost
+                raise ProxyError(f"the proxy's Arrow answer is not a complete stream ({exc})", url=url) from exc
+            lease = meta.get("lease_id")
+            self.last_pull = {k: int(v) if v.isdigit() else v for k, v in meta.items() if k != "lease_id"}
+        else:
+            reply = response.json()
+            check_schema_version(reply.get("schema_version"), url)
+            samples = list(reply.get("samples") or [])
+            lease = reply.get("lease_id")
+            self.last_pull = {k: v for k, v in reply.items() if k not in ("samples", "lease_id")}
         if not samples and lease is not None:
             self._request(index, "POST", "/v1/trajectories/ack", {"lease_id": lease})  # nothing to hold on to
             lease = None

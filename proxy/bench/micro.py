@@ -12,6 +12,8 @@ Subcommands (each prints a table and writes JSON, ``--out FILE``, default ``benc
   p50/p99, errors and the proxy's RSS per round (flat after the warm-up round).
 * ``recompute`` R2 per weight update: prefill calls and tokens, pause wait, for idle and
   continuing sessions of T turns (before/after with ``--before-src``).
+* ``pull``     the trainer pull at 1k / 10k / 100k tokens per sample: bytes per token and seconds
+               to serve and parse, JSON vs Arrow, and peak RSS for one 100k-token sample.
 * ``publish``  time of a fleet weight update across N proxies sharing two reference engines
   (N = 1, 4, 16), against the one-proxy-after-another protocol.
 """
@@ -437,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     from .recompute import add_parser as add_recompute_parser
 
     add_recompute_parser(sub)
+    from .pull import add_parser as add_pull_parser
+
+    add_pull_parser(sub)
 
     args = ap.parse_args(argv)
     if args.name == "splice":
@@ -453,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         from .recompute import run as _run_recompute
 
         res = _run_recompute(args)
+    elif args.name == "pull":
+        from .pull import run as _run_pull
+
+        res = _run_pull(args)
     elif args.name == "soak":
         from .soak import run as _run_soak
 

@@ -7,7 +7,7 @@ as a prefix: one prefill of it, with logprobs from the first owed position, give
 turn on that path its values. A rolled-back branch does not contain the other branch, so it is
 its own leaf. The same placement serves a session's next turn, whose prompt is such a path.
 
-Pure functions over ``TurnTokens`` (no I/O), so every placement rule is testable on its own.
+Pure functions over ``TurnSequence`` (no I/O), so every placement rule is testable on its own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..store.turns import TurnTokens
+from ..store.turns import TurnSequence
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Path:
         return sum(t.owed for t in self.turns)
 
 
-def owed_mask(t: TurnTokens, version: int) -> np.ndarray:
+def owed_mask(t: TurnSequence, version: int) -> np.ndarray:
     """Output tokens of ``t`` sampled by ``version - 1`` that have no proximal value yet."""
     return (t.versions == version - 1) & (t.proximal_versions == t.versions)
 
@@ -54,7 +54,7 @@ def is_prefix(a: np.ndarray, b: np.ndarray) -> bool:
     return a.size <= b.size and bool(np.array_equal(b[: a.size], a))
 
 
-def _owed(turns: list[TurnTokens], version: int) -> list[tuple[TurnTokens, OwedTurn]]:
+def _owed(turns: list[TurnSequence], version: int) -> list[tuple[TurnSequence, OwedTurn]]:
     out = []
     for t in turns:
         if t.abandoned:  # never handed out (docs/design.md section 11): owes nothing
@@ -66,7 +66,7 @@ def _owed(turns: list[TurnTokens], version: int) -> list[tuple[TurnTokens, OwedT
 
 
 def plan_leaves(
-    session_id: str, turns: list[TurnTokens], version: int, *, min_version: int | None = None
+    session_id: str, turns: list[TurnSequence], version: int, *, min_version: int | None = None
 ) -> tuple[list[Path], int]:
     """The leaf prefills that settle every owed token of the session under ``version``.
 
@@ -98,13 +98,13 @@ def plan_leaves(
     return paths, stale
 
 
-def _oldest_on(turns: list[TurnTokens], full: np.ndarray) -> int:
+def _oldest_on(turns: list[TurnSequence], full: np.ndarray) -> int:
     """The oldest version among the output tokens of the (delivered) turns on a path."""
     vs = [int(t.versions.min()) for t in turns if not t.abandoned and t.versions.size and is_prefix(t.full, full)]
     return min(vs) if vs else 1 << 30
 
 
-def plan_prompt(session_id: str, turns: list[TurnTokens], version: int, prompt_ids: list[int]) -> tuple[Path | None, int]:
+def plan_prompt(session_id: str, turns: list[TurnSequence], version: int, prompt_ids: list[int]) -> tuple[Path | None, int]:
     """The owed turns a next turn's prompt contains, as one path over the prompt (or None), and
     how many owed tokens of the session lie elsewhere (other branches)."""
     owed = _owed(turns, version)

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from engines.http import check_token_ids, vocab_bound
+from engines.http import check_token_ids, redact_url, vocab_bound
 from engines.types import EngineError, Generation
 from tokenization import ChatFormat, Message
 from tokenization.conversation import ToolCall
@@ -283,7 +283,7 @@ class TurnRunner:
             fork_reason=p.fork_reason,
             finish_reason=gen.finish_reason,
             created_at=result.created_at,
-            requested_sampling=self.sampling.record(req),
+            requested_sampling={**self.sampling.record(req), "model": self.model_name, "engine_id": redact_url(gen.replica) or None},
             drift=False,
             api=req.api,
             response_id=result.response_id,

@@ -61,9 +61,17 @@ class SamplingPolicy:
             stop=tuple(req.stop), stop_token_ids=stop_ids,
         )  # fmt: skip
 
+    def used(self, req: TurnRequest) -> dict:
+        """What the engine samples this turn with (top_k -1: off)."""
+        if self.mode == "honor":
+            return {"temperature": req.temperature if req.temperature is not None else 1.0,
+                    "top_p": req.top_p if req.top_p is not None else 1.0, "top_k": -1}  # fmt: skip
+        return {"temperature": self.temperature, "top_p": 1.0, "top_k": -1}
+
     def record(self, req: TurnRequest) -> dict:
-        """What the agent asked, stored with the turn."""
+        """What the agent asked, stored with the turn, and what the engine used (``used``)."""
         return {
+            "used": self.used(req),
             "temperature": req.temperature,
             "top_p": req.top_p,
             "stop": list(req.stop),

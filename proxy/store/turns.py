@@ -12,7 +12,7 @@ token for one 10k-token turn, 9.2 for 20 spliced turns of 500 tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +36,7 @@ from .packing import (
 )
 from .records import TurnRecord
 from .responses import ResponseTable, StoredResponse
+from .samples import TurnTokens
 from .sessions import SessionTable, read_session
 
 SELECT = (
@@ -48,7 +49,7 @@ SELECT = (
 
 
 @dataclass(frozen=True)
-class TurnTokens:
+class TurnSequence:
     """A turn's token sequence and version arrays, without its logprobs or metadata: what the
     R2 leaf planner needs to find which turns lie on which stored path."""
 
@@ -237,7 +238,7 @@ class TurnTable:
 
     # ------------------------------------------------------------ reading
 
-    def tokens_of(self, session_id: str) -> list[TurnTokens]:
+    def tokens_of(self, session_id: str) -> list[TurnSequence]:
         """Every turn of the session (index order) as token sequences and version arrays."""
         with self.db.read(snapshot=True) as c:
             rows = c.execute(
@@ -250,7 +251,7 @@ class TurnTable:
             for seq, turn_id, idx, n_prompt, v_blob, pv_blob, abandoned in rows:
                 v = unpack_runs(v_blob)
                 pv = v if pv_blob is None else unpack_runs(pv_blob)
-                out.append(TurnTokens(turn_id, idx, n_prompt, self._full_sequence(c, seq), v, pv, bool(abandoned)))
+                out.append(TurnSequence(turn_id, idx, n_prompt, self._full_sequence(c, seq), v, pv, bool(abandoned)))
             return out
 
     def owed_sessions(self, version: int, *, closed_only: bool = False) -> list[str]:
@@ -301,6 +302,34 @@ class TurnTable:
         prompts = self._decode_prompts(c, [(r[0], r[5], r[6], r[7], r[9]) for r in rows])
         turns = [_turn(r, prompts[r[0]][0]) for r in rows]
         return sorted(turns, key=lambda t: t.index)
+
+    def iter_tokens(self, c, session_id: str) -> Iterator[TurnTokens]:
+        """Every turn of the session as NumPy arrays, in index order, decoded one at a time.
+
+        A prompt is rebuilt from its base (an earlier turn's prompt + output) and its tail; a
+        base is kept only until its last user is decoded, so a pull of a session of K turns
+        holds O(context) tokens, not O(K * context). Nothing goes into the prompt cache: a
+        rewarded session's turns are read once, by the pull.
+        """
+        rows = c.execute(SELECT + "WHERE t.session_id = ? ORDER BY t.seq", (session_id,)).fetchall()
+        if any(a[3] > b[3] for a, b in zip(rows, rows[1:])):  # indices given out of commit order (tests, imports)
+            decoded = self._decode_prompts(c, [(r[0], r[5], r[6], r[7], r[9]) for r in rows])
+            yield from sorted((_tokens(r, decoded[r[0]][0]) for r in rows), key=lambda t: t.index)
+            return
+        last_use = {r[5]: i for i, r in enumerate(rows) if r[5] is not None}
+        full: dict[int, np.ndarray] = {}
+        for i, row in enumerate(rows):
+            seq, base, base_len, tail, output_ids = row[0], row[5], row[6], row[7], row[9]
+            if base is None:
+                head = np.empty(0, dtype=I32)
+            else:
+                head = (full[base] if base in full else self._full_sequence(c, base))[:base_len]
+                if last_use[base] == i:
+                    full.pop(base, None)
+            prompt = np.concatenate([head, unpack_i32(tail)])
+            if last_use.get(seq, -1) > i:
+                full[seq] = np.concatenate([prompt, unpack_i32(output_ids)])
+            yield _tokens(row, prompt)
 
     def candidates(self, fingerprint: bytes, limit: int = 64) -> list[Candidate]:
         """Recorded turns a history fingerprint leads to, most recent first."""
@@ -431,6 +460,23 @@ def _owed_rows(c, version: int, *, light: bool = False, closed_only: bool = Fals
         if np.any((versions == owed) & (pv == versions)):
             result.append(r)
     return result
+
+
+def _tokens(row, prompt: np.ndarray) -> TurnTokens:
+    (
+        _seq, turn_id, _session_id, idx, _parent, _base, _base_len, _tail, _n_out,
+        output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
+        created_at, sampling, _drift, _api, _response_id, abandoned,
+    ) = row  # fmt: skip
+    lp = unpack_f32(logprobs)
+    v = unpack_runs(versions)
+    plp, pv = unpack_proximal(lp, v, prox_lp, prox_v)
+    return TurnTokens(
+        turn_id=turn_id, index=idx, prompt_ids=prompt, output_ids=unpack_i32(output_ids), output_logprobs=lp,
+        versions=v, proximal_logprobs_t=plp, proximal_versions=pv, spliced=bool(spliced), fork_reason=fork_reason,
+        finish_reason=finish_reason, created_at=created_at, requested_sampling=orjson.loads(sampling),
+        abandoned=bool(abandoned),
+    )  # fmt: skip
 
 
 def _turn(row, prompt: np.ndarray) -> TurnRecord:

@@ -220,3 +220,49 @@ def test_pull_waits_for_a_reward(proxy):
     assert time.monotonic() - t0 < 8
     assert [x["session_id"] for x in pulled["samples"]] == [sid]
     assert _ack(proxy, pulled["lease_id"]).status_code == 200
+
+
+def test_arrow_pull_matches_json_and_the_schema_on_real_turns(proxy):
+    """A real two-turn session: the Arrow answer (read by pyarrow) and the JSON answer carry
+    the same values, both validate against proxy/schemas/sample.schema.json, and the per-turn
+    spans and sampling are the ones the session recorded."""
+    import json as _json
+    from pathlib import Path
+
+    import numpy as np
+    import pyarrow as pa
+    from jsonschema import Draft202012Validator
+
+    schema = _json.loads((Path(__file__).parents[2] / "proxy" / "schemas" / "sample.schema.json").read_text())
+    sid = _two_turn_session(proxy)
+    t1, t2 = _session(proxy, sid)["turns"]
+    assert _reward(proxy, sid, 0.5).status_code == 200
+    r = httpx.post(proxy.url + "/v1/trajectories/pull", json={"max_samples": 1000},
+                   headers={"Accept": "application/vnd.apache.arrow.stream"}, timeout=60)  # fmt: skip
+    assert r.status_code == 200 and r.headers["content-type"] == "application/vnd.apache.arrow.stream"
+    reader = pa.ipc.open_stream(r.content)
+    meta = {k.decode(): v.decode() for k, v in reader.schema.metadata.items()}
+    rows = reader.read_all().to_pylist()
+    Draft202012Validator(schema).validate(
+        {"schema_version": int(meta["splice.schema_version"]), "lease_id": meta["splice.lease_id"], "samples": rows,
+         "dropped_stale": int(meta["splice.dropped_stale"])}
+    )  # fmt: skip
+    (a,) = [s for s in rows if s["session_id"] == sid]
+    spans = [(t["turn_id"], t["start"], t["length"], t["finish_reason"]) for t in a["turns"]]
+    assert spans == [(t["turn_id"], len(t["prompt_ids"]), len(t["output_ids"]), t["finish_reason"]) for t in (t1, t2)]
+    assert a["turns"][1]["context_start"] == len(t1["prompt_ids"]) + len(t1["output_ids"])
+    assert all(t["temperature"] == 1.0 and t["top_p"] == 1.0 and t["top_k"] == -1 for t in a["turns"])
+    assert all(t["model"] and t["engine_id"].startswith("http://127.0.0.1:") for t in a["turns"])
+    assert a["rewarded_at"] and a["turns"][0]["created_at"] <= a["rewarded_at"]
+
+    time.sleep(LEASE_S + 0.3)  # unacked: the same samples come back, now as JSON
+    pulled = _pull(proxy)
+    Draft202012Validator(schema).validate(pulled)
+    (j,) = _mine(pulled, [sid])
+    assert set(j) == set(a)
+    for key in j:
+        if key in ("logprobs", "proximal_logprobs_t"):
+            assert np.array_equal(np.asarray(j[key], np.float32), np.asarray(a[key], np.float32))
+        else:
+            assert j[key] == a[key], key
+    assert _ack(proxy, pulled["lease_id"]).status_code == 200

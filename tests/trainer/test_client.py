@@ -29,7 +29,7 @@ def body(route, k=-1):
 @respx.mock
 def test_pull_and_ack_bodies_and_bearer():
     sample = {"sample_id": "x", "input_ids": [1, 2]}
-    pull = respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"lease_id": "L1", "samples": [sample]})
+    pull = respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"schema_version": 1, "lease_id": "L1", "samples": [sample]})
     ack = respx.post(f"{URL}/v1/trajectories/ack").respond(200, json={"ok": True})
     c = ProxyClient(URL + "/", admin_token="sekret")
     lease, samples = c.pull(4, 2.5)
@@ -43,7 +43,7 @@ def test_pull_and_ack_bodies_and_bearer():
 
 @respx.mock
 def test_no_token_no_header_and_empty_pull():
-    pull = respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"lease_id": None, "samples": []})
+    pull = respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"schema_version": 1, "lease_id": None, "samples": []})
     lease, samples = ProxyClient(URL).pull(8)
     assert lease is None and samples == []
     assert "authorization" not in pull.calls[0].request.headers
@@ -93,7 +93,7 @@ def test_retry_on_503_honours_retry_after(no_sleep):
         side_effect=[
             httpx.Response(503, headers={"Retry-After": "7"}, json={"error": {"message": "busy", "type": "server_error", "code": None}}),
             httpx.Response(429, headers={"Retry-After": "2"}, json={"error": {"message": "slow down", "type": "rate_limit_error", "code": None}}),
-            httpx.Response(200, json={"lease_id": "L", "samples": [{"sample_id": "a"}]}),
+            httpx.Response(200, json={"schema_version": 1, "lease_id": "L", "samples": [{"sample_id": "a"}]}),
         ]
     )
     lease, samples = ProxyClient(URL).pull(1)
@@ -143,8 +143,8 @@ def test_openai_error_becomes_exception_without_retry(no_sleep):
 
 @respx.mock
 def test_multi_proxy_pull_combines_and_acks_each():
-    respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"lease_id": "A", "samples": [{"sample_id": 1}]})
-    p2 = respx.post(f"{URL2}/v1/trajectories/pull").respond(200, json={"lease_id": "B", "samples": [{"sample_id": 2}, {"sample_id": 3}]})
+    respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"schema_version": 1, "lease_id": "A", "samples": [{"sample_id": 1}]})
+    p2 = respx.post(f"{URL2}/v1/trajectories/pull").respond(200, json={"schema_version": 1, "lease_id": "B", "samples": [{"sample_id": 2}, {"sample_id": 3}]})
     ack1 = respx.post(f"{URL}/v1/trajectories/ack").respond(200, json={})
     ack2 = respx.post(f"{URL2}/v1/trajectories/ack").respond(200, json={})
     respx.get(f"{URL}/admin/status").respond(200, json={"version": 3})
@@ -156,3 +156,54 @@ def test_multi_proxy_pull_combines_and_acks_each():
     c.ack(lease)
     assert body(ack1) == {"lease_id": "A"} and body(ack2) == {"lease_id": "B"}
     assert c.version() == 5
+
+
+def _arrow_reply(version: str | None) -> httpx.Response:
+    """An Arrow stream as pyarrow itself writes it, one sample, schema version in the metadata."""
+    import pyarrow as pa
+
+    meta = {"splice.lease_id": "L9"} | ({} if version is None else {"splice.schema_version": version})
+    table = pa.table({"sample_id": ["x"], "input_ids": pa.array([[1, 2]], pa.list_(pa.int32()))}).replace_schema_metadata(meta)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return httpx.Response(200, content=sink.getvalue().to_pybytes(), headers={"content-type": "application/vnd.apache.arrow.stream"})
+
+
+@pytest.mark.parametrize(
+    "reply, says",
+    [
+        (lambda: httpx.Response(200, json={"schema_version": 0, "lease_id": "L", "samples": []}), "version 0; upgrade the proxy"),
+        (lambda: httpx.Response(200, json={"lease_id": "L", "samples": [{"sample_id": "a"}]}), "without a schema_version"),
+        (lambda: httpx.Response(200, json={"schema_version": 2, "lease_id": "L", "samples": []}), "version 2; upgrade the trainer"),
+        (lambda: _arrow_reply("0"), "version '0'; upgrade the proxy"),
+        (lambda: _arrow_reply(None), "without a schema_version"),
+    ],
+)
+@respx.mock
+def test_unknown_or_stale_schema_version_is_refused(reply, says):
+    pull = respx.post(f"{URL}/v1/trajectories/pull").mock(return_value=reply())
+    ack = respx.post(f"{URL}/v1/trajectories/ack").respond(200, json={})
+    with pytest.raises(client_mod.SchemaVersionError) as e:
+        ProxyClient(URL).pull(4)
+    assert says in str(e.value) and "reads sample schema version 1 only" in str(e.value)
+    assert e.value.code == "unsupported_schema_version"
+    assert not ack.called  # the lease is left to time out, never acked: nothing is lost
+    assert "application/vnd.apache.arrow.stream" in pull.calls[0].request.headers["accept"]
+
+
+@respx.mock
+def test_arrow_reply_is_read_with_its_lease():
+    respx.post(f"{URL}/v1/trajectories/pull").mock(return_value=_arrow_reply("1"))
+    lease, samples = ProxyClient(URL).pull(4)
+    assert lease == "L9" and samples[0]["sample_id"] == "x" and samples[0]["input_ids"].tolist() == [1, 2]
+
+
+@respx.mock
+def test_a_cut_off_arrow_stream_is_a_proxy_error():
+    whole = _arrow_reply("1").content
+    respx.post(f"{URL}/v1/trajectories/pull").respond(
+        200, content=whole[: len(whole) - 40], headers={"content-type": "application/vnd.apache.arrow.stream"}
+    )
+    with pytest.raises(ProxyError, match="not a complete stream"):
+        ProxyClient(URL).pull(4)
