@@ -60,6 +60,7 @@ class Driver:
         self.updates = 0
         self.pulled = 0
         self.admin_errors: list[str] = []
+        self.admin_s: dict[str, list[float]] = {}  # seconds per admin / trainer call, by path
 
     async def _post(self, conn: Conn, path: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
         return await asyncio.wait_for(conn.post(path, orjson.dumps(body), headers or {}), 60)
@@ -119,6 +120,7 @@ class Driver:
                 t0 = time.perf_counter()
                 try:
                     status, data = await self._post(conn, "/v1/trajectories/pull", {"max_samples": 256, "wait_s": 0})
+                    self.admin_s.setdefault("/v1/trajectories/pull", []).append(time.perf_counter() - t0)
                     body = orjson.loads(data) if status == 200 else {}
                     if body.get("lease_id"):
                         self.pulled += len(body["samples"])
@@ -148,11 +150,13 @@ class Driver:
                     pass
                 v = self.version + 1
                 for path, body in (("/admin/pause", {}), ("/admin/update_weights", {"model_path": f"/ckpt/v{v}", "version": v}), ("/admin/resume", {})):
+                    t0 = time.perf_counter()
                     try:
                         status, data = await self._post(conn, path, body)
                     except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
                         status, data = 0, repr(e).encode()
                         conn.close()
+                    self.admin_s.setdefault(path, []).append(time.perf_counter() - t0)
                     if status != 200:
                         self.admin_errors.append(f"{path} {status}: {data[:160]!r}")
                 self.version = v
@@ -205,6 +209,7 @@ def run(args) -> dict:
             "errors": sum(r["errors"] for r in rows), "admin_errors": driver.admin_errors[:5], "weight_updates": driver.updates,
             "samples_pulled": driver.pulled, "rss_start_mb": rss_start, "rss_after_warmup_mb": rows[0]["rss_mb"],
             "rss_end_mb": rows[-1]["rss_mb"], "store_bytes": os.path.getsize(os.path.join(tmp, "splice.sqlite")),
+            "admin_calls_s": {p: {"n": len(xs), "p50": _pct(xs, 0.5), "max": max(xs)} for p, xs in driver.admin_s.items()},
         }  # fmt: skip
         print()
         print(_table(["round", "turns", "turns/s", "p50 ms", "p99 ms", "errors", "RSS MB", "version"],
@@ -216,6 +221,8 @@ def run(args) -> dict:
             f"{summary['samples_pulled']} samples pulled; RSS {summary['rss_start_mb']:.0f} MB at start, "
             f"{summary['rss_after_warmup_mb']:.0f} MB after warm-up, {summary['rss_end_mb']:.0f} MB at the end"
         )
+        for path, st in summary["admin_calls_s"].items():
+            print(f"{path}: {st['n']} calls, p50 {st['p50']:.2f} s, max {st['max']:.2f} s")
         if driver.admin_errors:
             print("admin errors:", driver.admin_errors[:3])
         return {"summary": summary, "rounds": rows}

@@ -259,9 +259,11 @@ class RecomputeScheduler:
             return path, elsewhere, stale
 
         path, elsewhere, stale = await asyncio.to_thread(plan)
+        if self._owed_version == version:
+            # Planned once per update: what this prompt does not hold (another branch) is left
+            # to the deadline, so later turns of the session never read its paths again.
+            self._owed.discard(session_id)
         if path is None:
-            if not elsewhere and self._owed_version == version:
-                self._owed.discard(session_id)
             return None
         if stale:
             return None  # its sample will be dropped at pull: never paid for
@@ -273,9 +275,6 @@ class RecomputeScheduler:
         if gen.prompt_logprobs_version != pig.version or not gen.prompt_logprobs:
             return  # the weights moved first, or the engine gave none: a deadline settles them
         values = place(pig.path, gen.prompt_logprobs, gen.prompt_logprobs_start)
-        sid = pig.path.session_id
-        if not pig.elsewhere and self._owed_version == pig.version:
-            self._owed.discard(sid)  # its next turn must not ask again
         task = asyncio.get_running_loop().create_task(self._fill(pig, values))
         self._fills.add(task)
         task.add_done_callback(self._fills.discard)

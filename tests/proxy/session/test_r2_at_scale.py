@@ -336,3 +336,29 @@ def test_max_staleness_drops_old_samples_at_pull_without_recomputing_them(tmp_pa
         assert again["samples"] == [] and again["dropped_stale"] == 0  # dropped from the pool for good
 
     run_with(tmp_path, body, max_staleness=1)
+
+
+def test_next_turn_fills_its_branch_and_the_pause_prefills_only_the_other(tmp_path):
+    async def body(h: Harness):
+        sid = "two-branches"
+        u0 = {"role": "user", "content": "start here"}
+        a0 = await h.turn(sid, [u0])
+        hist = [u0, {"role": "assistant", "content": a0}]
+        branch_a = hist + [{"role": "user", "content": "branch a"}]
+        a1 = await h.turn(sid, branch_a)
+        await h.turn(sid, hist + [{"role": "user", "content": "branch b, rolled back"}])
+        turns = h.store.turns.list(sid)
+        await h.update(1)
+        # the agent goes on along branch a: its call fills turns 0 and 1, not branch b's turn 2
+        await h.turn(sid, branch_a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "more a"}])
+        assert h.engine.prefills == []
+        assert h.engine.turns[-1]["logprob_start_len"] == len(turns[0].prompt_ids) - 1
+        await h.turn(sid, branch_a + [{"role": "assistant", "content": a1}, {"role": "user", "content": "more a, again"}])
+        assert h.engine.turns[-1]["logprob_start_len"] == -1  # nothing this prompt holds is owed any more
+        await h.admin("/admin/pause")
+        (prefill,) = h.engine.prefills  # branch b only, from its own first owed token
+        assert prefill["input_ids"] == turns[2].prompt_ids + turns[2].output_ids
+        assert prefill["logprob_start_len"] == len(turns[2].prompt_ids) - 1
+        assert h.check_values(sid, 0) == sum(len(t.output_ids) for t in turns)
+
+    run_with(tmp_path, body)
