@@ -113,11 +113,7 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
         samples = store.pool.samples(lease.session_ids, keep=lambda smp: not is_stale(smp, min_version))  # one session at a time, as sent
         if wants_arrow(request.headers.get("accept")):
             return _arrow(samples, lease_id=lease.lease_id, dropped_stale=dropped_stale, n_samples=lease.n_samples)
-        encoded = await _in_pull_thread(
-            lambda: dumps({"schema_version": SAMPLE_SCHEMA_VERSION, "lease_id": lease.lease_id,
-                           "samples": [s.to_json() for s in samples], "dropped_stale": dropped_stale})
-        )  # fmt: skip
-        return JSONResponse(encoded)
+        return _json({"schema_version": SAMPLE_SCHEMA_VERSION, "lease_id": lease.lease_id, "dropped_stale": dropped_stale}, samples)
 
     @r.get("/v1/trajectories/samples")
     async def samples_page(request: Request):
@@ -142,11 +138,7 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
         samples = store.pool.samples([sid for _, sid in rows])
         if wants_arrow(request.headers.get("accept")):
             return _arrow(samples, next_cursor=cursor)
-        encoded = await _in_pull_thread(
-            lambda: dumps({"schema_version": SAMPLE_SCHEMA_VERSION, "samples": [s.to_json() for s in samples],
-                           "has_more": more, "next_cursor": cursor})
-        )  # fmt: skip
-        return JSONResponse(encoded)
+        return _json({"schema_version": SAMPLE_SCHEMA_VERSION, "has_more": more, "next_cursor": cursor}, samples)
 
     @r.post("/v1/trajectories/ack", openapi_extra=body_schema(AckBody))
     async def ack(request: Request):
@@ -197,6 +189,20 @@ def _arrow(samples, **metadata) -> StreamingResponse:
     if metadata.get("lease_id"):
         headers["X-Splice-Lease-Id"] = str(metadata["lease_id"])
     return StreamingResponse(_chunks_from_pull_thread(ipc_stream(samples, **metadata)), media_type=ARROW_STREAM, headers=headers)
+
+
+def _json_pieces(head: dict, samples) -> Iterator[bytes]:
+    """``head`` with a ``samples`` list appended, one sample at a time."""
+    yield dumps(head)[:-1] + b',"samples":['
+    for i, sample in enumerate(samples):
+        yield (b"," if i else b"") + dumps(sample.to_json())
+    yield b"]}"
+
+
+def _json(head: dict, samples) -> StreamingResponse:
+    """The JSON answer, streamed sample by sample like the Arrow one (a lease of long samples
+    would otherwise sit in memory whole, as text)."""
+    return StreamingResponse(_chunks_from_pull_thread(_json_pieces(head, samples)), media_type="application/json")
 
 
 def _encode_cursor(row: tuple[float, str]) -> str:
