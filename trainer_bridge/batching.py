@@ -1,11 +1,17 @@
-"""Pack pulled samples into right-padded micro-batches under a token budget.
+"""Turn pulled samples into micro-batches under a token budget: packed (what the trainer uses) or padded.
 
-Each sample is one row: no attention across samples, ``position_ids`` restart at 0 per row, and
-padding has ``attention_mask`` 0 and ``loss_mask`` 0. Every per-token array of the pull API is
-padded the same way, so index ``[b, i]`` of every tensor describes the same token (docs/design.md section 2).
+**Packed** (:func:`pack_micro_batches`): several samples concatenated into one ``[1, T]`` row,
+``T <= max_tokens`` (a longer sample is its own micro-batch). ``position_ids`` restart at 0 at
+each sample and ``attention_mask`` is None, which is transformers' packed-sequence path: sdpa and
+eager build a block-diagonal causal mask from the position ids, flash-attention runs varlen, so
+attention never crosses samples. ``seq_ids`` says which sample (0, 1, ...) each token belongs to.
+No padding at all.
 
-The budget counts padded slots (rows x longest row), the memory the forward pass really uses.
-Rows are sorted longest-first before packing so similar lengths share a micro-batch.
+**Padded** (:func:`make_micro_batches`): each sample one right-padded row, padding with
+``attention_mask`` 0 and ``loss_mask`` 0; the budget counts padded slots (rows x longest row).
+
+Either way every per-token array of the pull API is laid out the same way, so index ``[b, i]``
+of every tensor describes the same token (docs/design.md section 2).
 """
 
 from __future__ import annotations
@@ -29,10 +35,14 @@ TOKEN_FIELDS: dict[str, tuple[torch.dtype, float]] = {
 
 @dataclass
 class MicroBatch:
-    """Tensors ``[rows, T]`` in token coordinates; ``sample_indices[b]`` is row ``b``'s sample."""
+    """Tensors ``[rows, T]`` in token coordinates.
+
+    Padded: ``sample_indices[b]`` is row ``b``'s sample. Packed: one row, ``attention_mask`` None,
+    and ``seq_ids[0, i]`` indexes ``sample_indices`` for token ``i``.
+    """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor
     loss_mask: torch.Tensor
     logprobs: torch.Tensor
@@ -42,6 +52,18 @@ class MicroBatch:
     advantages: torch.Tensor
     sample_indices: list[int]
     proximal_logprobs: torch.Tensor | None = field(default=None)  # filled in by the trainer
+    seq_ids: torch.Tensor | None = field(default=None)  # which sample each token is; -1 on padding
+
+    def __post_init__(self) -> None:
+        if self.seq_ids is None:  # padded rows: row b is sample b
+            rows = torch.arange(self.input_ids.shape[0]).unsqueeze(1).expand_as(self.input_ids)
+            valid = self.attention_mask.bool() if self.attention_mask is not None else torch.ones_like(rows, dtype=torch.bool)
+            self.seq_ids = torch.where(valid, rows, torch.full_like(rows, -1))
+
+    @property
+    def n_tokens(self) -> int:
+        """Token slots this micro-batch runs through the model (padding included)."""
+        return self.input_ids.numel()
 
     @property
     def n_loss_tokens(self) -> int:
@@ -125,12 +147,71 @@ def make_micro_batches(
     return [collate(samples, group, advantages, pad_id) for group in plan_micro_batches(lengths, max_tokens)]
 
 
-def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
-    """A one-token batch with nothing to learn from.
+def plan_packs(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices per packed micro-batch, each summing to ``<= max_tokens``.
 
-    Under DDP every rank must run the same number of synchronizing backward passes; a rank whose
-    shard of a minibatch is empty runs this one (zero loss, zero gradient).
+    A sample longer than the budget is a micro-batch of its own.
     """
-    fake = {k: [pad_id if k == "input_ids" else pad] for k, (_, pad) in TOKEN_FIELDS.items()}
-    fake["loss_mask"] = [0]
-    return collate([fake], [0], [0.0], pad_id)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def pack(samples: Sequence[dict[str, Any]], indices: Sequence[int], advantages: Sequence[float], pad_id: int = 0) -> MicroBatch:
+    """Concatenate the given samples into one packed ``[1, T]`` :class:`MicroBatch`."""
+    rows = [samples[i] for i in indices]
+    lengths = [validate_sample(s) for s in rows]
+    out: dict[str, torch.Tensor] = {}
+    for key, (dtype, _) in TOKEN_FIELDS.items():
+        out[key] = torch.cat([torch.as_tensor(s[key], dtype=dtype) for s in rows]).unsqueeze(0)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    seq_ids = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).unsqueeze(0)
+    adv = torch.cat([torch.full((n,), float(advantages[i]), dtype=torch.float32) for n, i in zip(lengths, indices)])
+    return MicroBatch(
+        attention_mask=None,
+        position_ids=position_ids,
+        advantages=adv.unsqueeze(0),
+        sample_indices=list(indices),
+        seq_ids=seq_ids,
+        **out,
+    )
+
+
+def pack_micro_batches(
+    samples: Sequence[dict[str, Any]],
+    advantages: Sequence[float],
+    max_tokens: int,
+    pad_id: int = 0,
+) -> list[MicroBatch]:
+    """All samples packed into micro-batches of at most ``max_tokens`` tokens each (no padding)."""
+    if len(advantages) != len(samples):
+        raise ValueError("one advantage per sample is required")
+    lengths = [validate_sample(s) for s in samples]
+    return [pack(samples, group, advantages, pad_id) for group in plan_packs(lengths, max_tokens)]
+
+
+EMPTY_TOKENS = 2  # the filler's length: the LM head needs one predicted position
+
+
+def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
+    """A two-token packed batch with nothing to learn from (a zero-weight step).
+
+    Under FSDP every rank must run the same number of forward and backward passes (each one
+    all-gathers and reduce-scatters); a rank whose share of a minibatch has fewer micro-batches
+    runs these (zero loss, zero gradient, every parameter still in the graph).
+    """
+    fake = {k: [pad_id if k == "input_ids" else pad] * EMPTY_TOKENS for k, (_, pad) in TOKEN_FIELDS.items()}
+    fake["loss_mask"] = [0] * EMPTY_TOKENS
+    mb = pack([fake], [0], [0.0], pad_id)
+    mb.sample_indices = []
+    return mb
