@@ -432,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     from .publish import add_parser as add_publish_parser
 
     add_publish_parser(sub)
+    from .train import add_parser as add_train_parser
+
+    add_train_parser(sub)
 
     args = ap.parse_args(argv)
     if args.name == "splice":
@@ -448,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
         from .soak import run as _run_soak
 
         res = _run_soak(args)
+    elif args.name == "train":
+        from .train import run as _run_train
+
+        res = _run_train(args)
     else:
         from .overhead import run as _run_overhead
 
