@@ -106,6 +106,19 @@ class TrainConfig:
             raise ValueError("--behav-weight must be segment, decoupled or off")
         if self.ppo_n_minibatches < 1 or self.steps < 0 or self.batch_samples < 1:
             raise ValueError("--ppo-n-minibatches and --batch-samples must be >= 1, --steps >= 0")
+        self.check_dtypes()
+        if self.missing_proximal not in ("fallback", "mask", "keep"):
+            raise ValueError("--missing-proximal must be fallback, mask or keep")
+        from .loss import LOSS_AGGS
+
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"--loss-agg must be one of {', '.join(LOSS_AGGS)}")
+        if self.micro_batch_tokens < 2:
+            raise ValueError("--micro-batch-tokens must be >= 2")
+        return self
+
+    def check_dtypes(self) -> None:
+        """Refuse pure low-precision AdamW: it would silently not train."""
         if self.model_dtype in ("bfloat16", "float16"):
             raise ValueError(
                 f"--model-dtype {self.model_dtype} would run AdamW on {self.model_dtype} weights with no float32 "
@@ -117,15 +130,6 @@ class TrainConfig:
             raise ValueError("--model-dtype must be float32 (or float64)")
         if self.compute_dtype not in ("auto", "bfloat16", "float32"):
             raise ValueError("--compute-dtype must be auto, bfloat16 or float32")
-        if self.missing_proximal not in ("fallback", "mask", "keep"):
-            raise ValueError("--missing-proximal must be fallback, mask or keep")
-        from .loss import LOSS_AGGS
-
-        if self.loss_agg not in LOSS_AGGS:
-            raise ValueError(f"--loss-agg must be one of {', '.join(LOSS_AGGS)}")
-        if self.micro_batch_tokens < 2:
-            raise ValueError("--micro-batch-tokens must be >= 2")
-        return self
 
     @property
     def missing_proximal_mode(self) -> str:

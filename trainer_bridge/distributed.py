@@ -8,6 +8,7 @@ code path is the same for every world size; the object collectives below skip th
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 from dataclasses import dataclass
@@ -69,6 +70,19 @@ def _single_process_group(backend: str, timeout: timedelta) -> None:
     os.unlink(path)  # FileStore creates it
     store = torch_dist.FileStore(path, 1)
     torch_dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+    _STORE_FILES.append(path)
+
+
+_STORE_FILES: list[str] = []
+
+
+@atexit.register
+def _remove_store_files() -> None:
+    while _STORE_FILES:
+        try:
+            os.unlink(_STORE_FILES.pop())
+        except OSError:
+            pass
 
 
 def ensure_group(dist: Dist) -> None:
@@ -82,6 +96,7 @@ def ensure_group(dist: Dist) -> None:
 def teardown(dist: Dist) -> None:
     if dist.owns_group and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+        _remove_store_files()
 
 
 def broadcast(dist: Dist, obj: Any) -> Any:

@@ -58,8 +58,7 @@ def activation_checkpointing(config: TrainConfig, device: torch.device) -> bool:
 
 def build_learner(config: TrainConfig, dist: Dist) -> Learner:
     """Load the model (float32 masters), shard it (FSDP2), and make AdamW over the local shards."""
-    if config.model_dtype in ("bfloat16", "float16"):
-        config.validate()  # raises the explanation
+    config.check_dtypes()
     distributed.ensure_group(dist)
     model = load_causal_lm(
         config.model,

@@ -11,7 +11,8 @@ import torch
 from splice_trainer_testlib import make_samples
 from trainer_bridge import learner as learner_mod
 from trainer_bridge.config import TrainConfig, build_parser, config_from_argv
-from trainer_bridge.learner import activation_checkpointing, compute_dtype
+from trainer_bridge.distributed import Dist
+from trainer_bridge.learner import activation_checkpointing, build_learner, compute_dtype
 from trainer_bridge.train import prepare_batch, train
 
 
@@ -44,6 +45,8 @@ def test_bf16_adamw_is_refused_with_a_reason():
     with pytest.raises(ValueError, match="master copy"):
         config_from_argv(["--proxy", "http://a", "--model", "/m", "--model-dtype", "bfloat16"])
     assert config_from_argv(["--proxy", "http://a", "--model", "/m"]).model_dtype == "float32"
+    with pytest.raises(ValueError, match="master copy"):  # also when built in code, not from the CLI
+        build_learner(TrainConfig(proxies=["u"], model="/m", model_dtype="bfloat16"), Dist())
 
 
 def test_precision_and_checkpointing_defaults_follow_the_device():
