@@ -1,11 +1,12 @@
 """Turn pulled samples into micro-batches under a token budget: packed (what the trainer uses) or padded.
 
-**Packed** (:func:`pack_micro_batches`): several samples concatenated into one ``[1, T]`` row,
-``T <= max_tokens`` (a longer sample is its own micro-batch). ``position_ids`` restart at 0 at
+**Packed** (:func:`pack_micro_batches`): several samples concatenated, ``T <= max_tokens``
+tokens per micro-batch (a longer sample is its own micro-batch), in one ``[1, T]`` row or in
+rows as wide as the longest sample (:func:`pack_rows`). ``position_ids`` restart at 0 at
 each sample and ``attention_mask`` is None, which is transformers' packed-sequence path: sdpa and
 eager build a block-diagonal causal mask from the position ids, flash-attention runs varlen, so
 attention never crosses samples. ``seq_ids`` says which sample (0, 1, ...) each token belongs to.
-No padding at all.
+One row has no padding at all; several rows only at row ends.
 
 **Padded** (:func:`make_micro_batches`): each sample one right-padded row, padding with
 ``attention_mask`` 0 and ``loss_mask`` 0; the budget counts padded slots (rows x longest row).
@@ -37,8 +38,8 @@ TOKEN_FIELDS: dict[str, tuple[torch.dtype, float]] = {
 class MicroBatch:
     """Tensors ``[rows, T]`` in token coordinates.
 
-    Padded: ``sample_indices[b]`` is row ``b``'s sample. Packed: one row, ``attention_mask`` None,
-    and ``seq_ids[0, i]`` indexes ``sample_indices`` for token ``i``.
+    Padded: ``sample_indices[b]`` is row ``b``'s sample. Packed: ``attention_mask`` None, and
+    ``seq_ids[r, i]`` indexes ``sample_indices`` for the token at ``[r, i]`` (-1 on padding).
     """
 
     input_ids: torch.Tensor
@@ -167,23 +168,72 @@ def plan_packs(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return bins
 
 
-def pack(samples: Sequence[dict[str, Any]], indices: Sequence[int], advantages: Sequence[float], pad_id: int = 0) -> MicroBatch:
-    """Concatenate the given samples into one packed ``[1, T]`` :class:`MicroBatch`."""
-    rows = [samples[i] for i in indices]
-    lengths = [validate_sample(s) for s in rows]
-    out: dict[str, torch.Tensor] = {}
-    for key, (dtype, _) in TOKEN_FIELDS.items():
-        out[key] = torch.cat([torch.as_tensor(s[key], dtype=dtype) for s in rows]).unsqueeze(0)
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-    seq_ids = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(lengths)]).unsqueeze(0)
-    adv = torch.cat([torch.full((n,), float(advantages[i]), dtype=torch.float32) for n, i in zip(lengths, indices)])
+def pack_rows(lengths: Sequence[int], rows: str = "one", attn_weight: float = 0.0) -> tuple[list[list[int]], int]:
+    """How one micro-batch's samples are laid out: ``(rows of positions into lengths, row width)``.
+
+    ``one``: everything in one row (flash-attention's varlen path needs a single row, and then
+    no attention work is wasted). ``longest``: rows as wide as the longest sample, filled first-fit
+    decreasing. Attention without varlen kernels (sdpa, eager) computes a masked ``W x W`` block
+    per row, so many short samples in one long row waste most of it, while one long sample among
+    short ones makes ``longest`` pad a lot. ``auto`` picks the cheaper of the two by
+    ``slots + attn_weight * rows * W^2`` (linear layers per slot, padding included, plus dense
+    attention per row).
+    """
+    if rows == "one" or not lengths:
+        return [list(range(len(lengths)))], sum(lengths)
+    if rows not in ("longest", "auto"):
+        raise ValueError(f"rows must be 'one', 'longest' or 'auto', got {rows!r}")
+    width = max(lengths)
+    layout = plan_packs(lengths, width)
+    if rows == "auto":
+        total = sum(lengths)
+        one_cost = total + attn_weight * total * total
+        rows_cost = len(layout) * width * (1 + attn_weight * width)
+        if one_cost <= rows_cost:
+            return [list(range(len(lengths)))], total
+    return layout, width
+
+
+def pack(
+    samples: Sequence[dict[str, Any]],
+    indices: Sequence[int],
+    advantages: Sequence[float],
+    pad_id: int = 0,
+    rows: str = "one",
+    attn_weight: float = 0.0,
+) -> MicroBatch:
+    """Concatenate the given samples into a packed :class:`MicroBatch` (see :func:`pack_rows`).
+
+    Row-end padding continues as a sequence of its own (positions from 0, ``seq_ids`` -1,
+    ``loss_mask`` 0), so it never attends to or from a sample.
+    """
+    chosen = [samples[i] for i in indices]
+    lengths = [validate_sample(s) for s in chosen]
+    layout, width = pack_rows(lengths, rows, attn_weight)
+    order = [j for row in layout for j in row]  # sample_indices in layout order
+    slot = {j: b for b, j in enumerate(order)}
+    fields: dict[str, list[torch.Tensor]] = {k: [] for k in TOKEN_FIELDS}
+    pos, seq, adv = [], [], []
+    for row in layout:
+        used = sum(lengths[j] for j in row)
+        pad = width - used
+        for key, (dtype, pad_value) in TOKEN_FIELDS.items():
+            parts = [torch.as_tensor(chosen[j][key], dtype=dtype) for j in row]
+            fill = pad_id if key == "input_ids" else pad_value
+            parts.append(torch.full((pad,), fill, dtype=dtype))
+            fields[key].append(torch.cat(parts))
+        pos.append(torch.cat([torch.arange(lengths[j]) for j in row] + [torch.arange(pad)]))
+        seq.append(torch.cat([torch.full((lengths[j],), slot[j], dtype=torch.long) for j in row]
+                             + [torch.full((pad,), -1, dtype=torch.long)]))
+        adv.append(torch.cat([torch.full((lengths[j],), float(advantages[indices[j]]), dtype=torch.float32) for j in row]
+                             + [torch.zeros(pad)]))
     return MicroBatch(
         attention_mask=None,
-        position_ids=position_ids,
-        advantages=adv.unsqueeze(0),
-        sample_indices=list(indices),
-        seq_ids=seq_ids,
-        **out,
+        position_ids=torch.stack(pos),
+        advantages=torch.stack(adv),
+        sample_indices=[indices[j] for j in order],
+        seq_ids=torch.stack(seq),
+        **{k: torch.stack(v) for k, v in fields.items()},
     )
 
 
@@ -192,12 +242,14 @@ def pack_micro_batches(
     advantages: Sequence[float],
     max_tokens: int,
     pad_id: int = 0,
+    rows: str = "one",
+    attn_weight: float = 0.0,
 ) -> list[MicroBatch]:
-    """All samples packed into micro-batches of at most ``max_tokens`` tokens each (no padding)."""
+    """All samples packed into micro-batches of at most ``max_tokens`` tokens each."""
     if len(advantages) != len(samples):
         raise ValueError("one advantage per sample is required")
     lengths = [validate_sample(s) for s in samples]
-    return [pack(samples, group, advantages, pad_id) for group in plan_packs(lengths, max_tokens)]
+    return [pack(samples, group, advantages, pad_id, rows, attn_weight) for group in plan_packs(lengths, max_tokens)]
 
 
 EMPTY_TOKENS = 2  # the filler's length: the LM head needs one predicted position

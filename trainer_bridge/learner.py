@@ -43,6 +43,7 @@ class Learner:
     optimizer: Any
     dist: Dist
     attn_weight: float = 0.0
+    pack_rows: str = "one"  # micro-batch layout (batching.pack_rows): one row for flash-attention varlen, else auto
 
 
 def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
@@ -77,8 +78,9 @@ def build_learner(config: TrainConfig, dist: Dist) -> Learner:
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
     )
+    varlen = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
     return Learner(policy=policy, module=policy, optimizer=optimizer, dist=dist,
-                   attn_weight=attention_weight(getattr(model, "config", None)))
+                   attn_weight=attention_weight(getattr(model, "config", None)), pack_rows="one" if varlen else "auto")
 
 
 def _inputs(mb: MicroBatch) -> tuple[torch.Tensor | None, ...]:
@@ -101,12 +103,12 @@ def receive_share(
     def plan() -> list[RankShare]:
         return plan_step(samples, advantages, world_size=dist.world_size, n_minibatches=config.ppo_n_minibatches,
                          micro_batch_tokens=config.micro_batch_tokens, seed=config.seed * 1_000_003 + step,
-                         attn_weight=learner.attn_weight, loss_agg=config.loss_agg)
+                         attn_weight=learner.attn_weight, loss_agg=config.loss_agg, rows=learner.pack_rows)
 
     share: RankShare = distributed.scatter(dist, plan() if dist.is_main else None)
     plans = []
     for groups, n_micro, normalizer in zip(share.minibatches, share.n_micro, share.normalizers):
-        micro = [pack(s, range(len(s)), a) for s, a in groups]
+        micro = [pack(s, range(len(s)), a, rows=learner.pack_rows, attn_weight=learner.attn_weight) for s, a in groups]
         micro += [empty_micro_batch() for _ in range(n_micro - len(micro))]
         plans.append(MinibatchPlan([m.to(dist.device) for m in micro], normalizer))
     return plans, share.stats

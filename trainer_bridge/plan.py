@@ -4,7 +4,8 @@ The batch is cut into ``ppo_n_minibatches`` minibatches by tokens; each minibatc
 spread over ranks by cost (``balance.py``) and each rank's share is packed into micro-batches of
 at most ``micro_batch_tokens`` tokens (``batching.plan_packs``). Under FSDP every rank must run
 the same number of forward/backward passes, so a rank with fewer micro-batches gets zero-weight
-filler micro-batches (two tokens each); the filler tokens are the step's only padding.
+filler micro-batches (two tokens each). Those, and row ends when a micro-batch is laid out in
+several rows (attention without varlen kernels), are the step's only padding.
 
 Each rank is then sent only its own :class:`RankShare` (``distributed.scatter``).
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .balance import assign_to_ranks, imbalance, minibatches_by_tokens, sample_cost
-from .batching import EMPTY_TOKENS, plan_packs
+from .batching import EMPTY_TOKENS, pack_rows, plan_packs
 
 
 @dataclass
@@ -44,8 +45,10 @@ def plan_step(
     seed: int,
     attn_weight: float = 0.0,
     loss_agg: str = "token-mean",
+    rows: str = "one",
 ) -> list[RankShare]:
-    """One :class:`RankShare` per rank. ``seed`` fixes the minibatch shuffle."""
+    """One :class:`RankShare` per rank. ``seed`` fixes the minibatch shuffle; ``rows`` is the
+    micro-batch layout (:func:`~.batching.pack_rows`), for the padding it costs."""
     lengths = [len(s["input_ids"]) for s in samples]
     shares = [RankShare() for _ in range(world_size)]
     imbalances, token_imbalances = [], []
@@ -67,6 +70,9 @@ def plan_step(
             share.n_micro.append(n_micro)
             share.normalizers.append(normalizer)
             filler += (n_micro - len(packs[r])) * EMPTY_TOKENS
+            for g in packs[r]:
+                layout, width = pack_rows([lengths[i] for i in g], rows, attn_weight)
+                filler += len(layout) * width - sum(lengths[i] for i in g)  # row-end padding
         rank_costs = [sum(sample_cost(lengths[i], attn_weight) for i in idx) for idx in by_rank]
         rank_tokens = [sum(lengths[i] for i in idx) for idx in by_rank]
         imbalances.append(imbalance(rank_costs))

@@ -39,6 +39,23 @@ def test_pack_layout_keeps_every_array_in_step():
     assert sorted(seen) == list(range(len(samples)))
 
 
+def test_rows_as_wide_as_the_longest_sample():
+    samples = make_samples(n_groups=3, group_size=3, seed=4, min_len=3, max_len=40)
+    (mb,) = pack_micro_batches(samples, [1.0] * len(samples), max_tokens=10_000, rows="longest")
+    width = max(len(s["input_ids"]) for s in samples)
+    assert mb.input_ids.shape[1] == width and mb.input_ids.shape[0] > 1
+    real = mb.seq_ids >= 0
+    assert int(real.sum()) == sum(len(s["input_ids"]) for s in samples)
+    assert not mb.loss_mask[~real].any() and (mb.versions[~real] == -1).all()
+    for b, index in enumerate(mb.sample_indices):  # each sample whole, in one row, positions from 0
+        where = (mb.seq_ids == b).nonzero()
+        assert where[:, 0].unique().numel() == 1
+        r = int(where[0, 0])
+        cols = where[:, 1]
+        assert mb.input_ids[r, cols].tolist() == samples[index]["input_ids"]
+        assert mb.position_ids[r, cols].tolist() == list(range(len(samples[index]["input_ids"])))
+
+
 def test_plan_packs_fills_bins_first_fit():
     lengths = [5, 50, 7, 200, 7, 30, 12]
     groups = plan_packs(lengths, max_tokens=60)
@@ -56,8 +73,8 @@ def _alone_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.cat([lp.new_zeros(1), lp])
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logprobs_and_gradients_equal_unpacked(tiny_model_dir, attn):
+@pytest.mark.parametrize("attn,rows", [("sdpa", "one"), ("eager", "one"), ("sdpa", "longest")])
+def test_packed_logprobs_and_gradients_equal_unpacked(tiny_model_dir, attn, rows):
     samples = make_samples(n_groups=2, group_size=2, seed=5, min_len=4, max_len=30)
     rng = random.Random(0)
     coef = [[rng.uniform(-1, 1) for _ in s["input_ids"]] for s in samples]  # a loss: sum_i c_i * logp_i
@@ -75,18 +92,27 @@ def test_packed_logprobs_and_gradients_equal_unpacked(tiny_model_dir, attn):
     # packed: the policy on micro-batches of several samples each
     model = load_causal_lm(str(tiny_model_dir), attn_implementation=attn)
     policy = Policy(model, chunk_size=7)
-    micro = pack_micro_batches(samples, [0.0] * len(samples), max_tokens=48)
+    micro = pack_micro_batches(samples, [0.0] * len(samples), max_tokens=48, rows=rows)
     assert any(len(m.sample_indices) > 1 for m in micro)  # really packed
     for m in micro:
         lp, _ = policy(m.input_ids, None, m.position_ids, m.loss_mask)
-        c = torch.cat([torch.tensor(coef[i]) for i in m.sample_indices]).unsqueeze(0)
+        c = torch.zeros_like(lp)
+        for b, i in enumerate(m.sample_indices):
+            c[m.seq_ids == b] = torch.tensor(coef[i], dtype=c.dtype)
         (lp * m.loss_mask * c).sum().backward()
-        offset = 0
-        for i in m.sample_indices:
-            n = len(samples[i]["input_ids"])
+        for b, i in enumerate(m.sample_indices):
             mask = torch.tensor(samples[i]["loss_mask"], dtype=torch.bool)
-            got = lp[0, offset : offset + n].double()
+            got = lp[m.seq_ids == b].double()
             torch.testing.assert_close(got[mask], ref_lp[i][mask], atol=2e-5, rtol=0)
-            offset += n
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), ref_grads[name].double(), atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_auto_layout_picks_the_cheaper_rows():
+    from trainer_bridge.batching import pack_rows
+
+    many_short = [40] * 20
+    assert pack_rows(many_short, "auto", attn_weight=0.01)[1] == 40  # 20 rows of 40, not one row of 800
+    one_long = [4000, 100, 50]
+    assert pack_rows(one_long, "auto", attn_weight=1e-4) == ([[0, 1, 2]], 4150)  # one row, no padding
+    assert pack_rows(many_short, "auto", attn_weight=0.0) == ([list(range(20))], 800)  # attention free: no padding

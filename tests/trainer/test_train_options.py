@@ -100,7 +100,9 @@ def test_stats_record_balance_padding_memory_and_staleness(tiny_model_dir, tmp_p
     train(config(tiny_model_dir, tmp_path, ppo_n_minibatches=2), client=Client([samples]))
     record = json.loads((tmp_path / "stats.jsonl").read_text().splitlines()[0])
     assert record["imbalance"] == 1.0  # one rank
-    assert record["padding_frac"] == 0.0 and record["padding_frac_unpacked"] > 0  # packing removed the padding
+    # sdpa on CPU: rows as wide as the longest sample where that is cheaper; never more padding
+    # than one row per sample
+    assert 0.0 <= record["padding_frac"] <= record["padding_frac_unpacked"] and record["padding_frac_unpacked"] > 0
     assert record["peak_rss_mb_max"] > 50 and len(record["peak_rss_mb_by_rank"]) == 1
     # make_samples: tokens of versions 4 and 5 at version 5 -> staleness 1 and 0
     assert record["tokens_stale0"] + record["tokens_stale1"] == record["loss_tokens"]
