@@ -147,7 +147,7 @@ def _token_flags(m: MicroBatch, version: int | None, config: TrainConfig) -> dic
     if version is None:
         return {}
     flags: dict[str, Any] = {"fresh": m.versions == version, "staleness": (version - m.versions).clamp(min=0),
-                             "staleness_buckets": (config.max_staleness or 7) + 1}
+                             "staleness_buckets": 8 if config.max_staleness is None else config.max_staleness + 1}
     if config.missing_proximal_mode == "fallback":
         flags["proximal_missing"] = (m.proximal_versions == m.versions) & (m.versions < version)
     return flags

@@ -108,3 +108,25 @@ def test_stats_record_balance_padding_memory_and_staleness(tiny_model_dir, tmp_p
     assert record["tokens_stale0"] + record["tokens_stale1"] == record["loss_tokens"]
     assert record["behav_imp_weight_mean_stale0"] == pytest.approx(1.0)  # fresh tokens: prox_t == behaviour
     assert record["behav_imp_weight_mean_stale1"] != pytest.approx(1.0)
+
+
+def test_bf16_compute_keeps_float32_master_weights(tiny_model_dir):
+    """FSDP mixed precision (what GPU runs use), here on CPU: the body runs in bfloat16 while the
+    sharded parameters and AdamW state stay float32, and a step moves the weights."""
+    from trainer_bridge.learner import learner_step
+
+    cfg = TrainConfig(proxies=["u"], model=str(tiny_model_dir), compute_dtype="bfloat16", lr=1e-2, progress=False,
+                      ppo_n_minibatches=2)
+    kept, adv, _ = prepare_batch(make_samples(seed=1), 5, cfg)
+    learner = build_learner(cfg, Dist())
+    seen = []
+    learner.policy.model.model.norm.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    before = {n: p.full_tensor().clone() for n, p in learner.policy.named_parameters()}
+    stats = learner_step(learner, kept, adv, cfg, step=1, version=5)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert {p.to_local().dtype for p in learner.policy.parameters()} == {torch.float32}
+    moments = [v for s in learner.optimizer.state.values() for v in s.values() if v.dim()]
+    assert moments and {v.dtype for v in moments} == {torch.float32}
+    changed = [(p.full_tensor() != before[n]).float().mean().item() for n, p in learner.policy.named_parameters()]
+    assert sum(changed) / len(changed) > 0.5
+    assert stats["first_minibatch_ratio_dev"] == 0.0
