@@ -78,8 +78,18 @@ def main(model_dir: str, out_dir: str) -> None:
 
     learner = build_learner(cfg, dist)
     learner.optimizer = RecordingSGD(learner.policy.parameters(), lr=0.05)
+    received = []  # the samples this rank was sent (its share), per scatter
+    real_scatter = distributed.scatter
+
+    def recording_scatter(d, per_rank):
+        share = real_scatter(d, per_rank)
+        received.append(sorted(s["sample_id"] for mb in share.minibatches for group, _ in mb for s in group))
+        return share
+
+    distributed.scatter = recording_scatter
     # only rank 0's samples are read: every other rank gets its share from rank 0
     stats = learner_step(learner, kept if dist.is_main else [], advantages if dist.is_main else [], cfg, step=1)
+    distributed.scatter = real_scatter
 
     def client(batches, version=5):
         return FakeClient(batches, version) if dist.is_main else None
@@ -97,7 +107,7 @@ def main(model_dir: str, out_dir: str) -> None:
     resumed = run("resumed", [second], version=6, steps=2, checkpoint_every=1,
                   resume=str(out / "resumed" / "checkpoints" / "step_1"))
 
-    result = {"grads": learner.optimizer.grads, "stats": stats, "history": history, "one_history": one_history,
+    result = {"grads": learner.optimizer.grads, "stats": stats, "received": received[0], "history": history, "one_history": one_history,
               "straight": straight, "resumed": resumed}
     torch.save(result, out / f"rank{dist.rank}.pt")
     distributed.teardown(dist)

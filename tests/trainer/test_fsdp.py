@@ -62,6 +62,14 @@ def test_gradients_match_single_process(runs):
         assert any(g.abs().sum() > 0 for g in mb_one)
 
 
+def test_each_rank_is_sent_only_its_share(runs):
+    _, one, two0, two1 = runs
+    assert len(one["received"]) == 9  # one rank: everything
+    assert two0["received"] and two1["received"]
+    assert not set(two0["received"]) & set(two1["received"])
+    assert sorted(two0["received"] + two1["received"]) == sorted(one["received"])
+
+
 def test_stats_are_over_all_ranks(runs):
     _, one, two0, two1 = runs
     for key in ("loss", "loss_tokens", "behav_imp_weight_mean", "behav_imp_weight_std", "behav_imp_weight_max",
