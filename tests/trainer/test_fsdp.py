@@ -109,3 +109,23 @@ def test_resume_equals_uninterrupted(runs, world):
     assert [h["step"] for h in result["resumed"]] == [2]
     assert [h["step"] for h in result["straight"]] == [1, 2]
     assert result["resumed"][0]["loss"] == result["straight"][1]["loss"]
+
+
+def test_a_two_rank_checkpoint_loads_into_one_process(runs, tiny_model_dir):
+    """DCP reshards on load: the 2-rank checkpoint of step 2, loaded at world size 1, holds the
+    weights rank 0 published at step 2, and AdamW's state for every parameter."""
+    from trainer_bridge.checkpoint import load_checkpoint
+    from trainer_bridge.config import TrainConfig
+    from trainer_bridge.distributed import Dist
+    from trainer_bridge.train import build_learner, full_state_dict
+
+    base = runs[0]
+    learner = build_learner(TrainConfig(proxies=["u"], model=str(tiny_model_dir)), Dist())
+    state = load_checkpoint(learner.policy, learner.optimizer, base / "two" / "resumed" / "checkpoints" / "step_2", Dist())
+    assert state["step"] == 2 and state["world_size"] == 2
+    loaded = full_state_dict(learner)
+    published = weights(base / "two" / "resumed" / "step_2")
+    assert_weights_close({k: loaded[k] for k in published}, published, 0.0)
+    assert len(learner.optimizer.state) == len(list(learner.policy.parameters()))
+    # two training steps of two minibatches each: four AdamW steps, counted across the resume
+    assert {float(s["step"]) for s in learner.optimizer.state.values()} == {4.0}
