@@ -5,13 +5,19 @@ Modules, one job each:
 - ``client``       -- HTTP client for pull/ack and the weight-update protocol (the only link to the proxy)
 - ``publish``      -- the fleet weight-update protocol (``splice publish``), torch-free
 - ``advantages``   -- GRPO advantages, normalized over each group's sessions
-- ``batching``     -- right-padded micro-batches under a token budget, every per-token array in step
+- ``batching``     -- packed (or padded) micro-batches under a token budget, every per-token array in step
+- ``balance``      -- minibatches cut by tokens, samples spread over ranks by cost
+- ``plan``         -- rank 0's plan of a step: each rank's share, micro-batches, normalisers
 - ``logprobs``     -- chunked log-probs/entropy from hidden states, in token coordinates
-- ``loss``         -- decoupled PPO loss with the segment-wise behaviour weight
+- ``loss``         -- decoupled PPO loss with the segment-wise behaviour weight and its options
 - ``policy``       -- a transformers causal LM whose forward returns log-probs; save as an HF directory
+- ``sharding``     -- FSDP2 over decoder layers and the root; per-rank state bytes
+- ``learner``      -- the sharded model + AdamW, and one training step on it
+- ``checkpoint``   -- sharded training checkpoints (torch.distributed.checkpoint) and resume
 - ``stats``        -- merging per-micro-batch stats into per-step stats
-- ``distributed``  -- torchrun/DDP plumbing (rank 0 pulls and publishes)
+- ``distributed``  -- torchrun plumbing (rank 0 pulls, plans and publishes; each rank gets its share)
 - ``config``/``train`` -- the trainer loop and the ``splice train`` command line
+- ``bench``        -- the worker of ``splice bench train``
 
 It never imports ``proxy``, ``engines`` or ``tokenization``.
 """

@@ -1,11 +1,18 @@
-"""Pack pulled samples into right-padded micro-batches under a token budget.
+"""Turn pulled samples into micro-batches under a token budget: packed (what the trainer uses) or padded.
 
-Each sample is one row: no attention across samples, ``position_ids`` restart at 0 per row, and
-padding has ``attention_mask`` 0 and ``loss_mask`` 0. Every per-token array of the pull API is
-padded the same way, so index ``[b, i]`` of every tensor describes the same token (docs/design.md section 2).
+**Packed** (:func:`pack_micro_batches`): several samples concatenated, ``T <= max_tokens``
+tokens per micro-batch (a longer sample is its own micro-batch), in one ``[1, T]`` row or in
+rows as wide as the longest sample (:func:`pack_rows`). ``position_ids`` restart at 0 at
+each sample and ``attention_mask`` is None, which is transformers' packed-sequence path: sdpa and
+eager build a block-diagonal causal mask from the position ids, flash-attention runs varlen, so
+attention never crosses samples. ``seq_ids`` says which sample (0, 1, ...) each token belongs to.
+One row has no padding at all; several rows only at row ends.
 
-The budget counts padded slots (rows x longest row), the memory the forward pass really uses.
-Rows are sorted longest-first before packing so similar lengths share a micro-batch.
+**Padded** (:func:`make_micro_batches`): each sample one right-padded row, padding with
+``attention_mask`` 0 and ``loss_mask`` 0; the budget counts padded slots (rows x longest row).
+
+Either way every per-token array of the pull API is laid out the same way, so index ``[b, i]``
+of every tensor describes the same token (docs/design.md section 2).
 """
 
 from __future__ import annotations
@@ -29,10 +36,14 @@ TOKEN_FIELDS: dict[str, tuple[torch.dtype, float]] = {
 
 @dataclass
 class MicroBatch:
-    """Tensors ``[rows, T]`` in token coordinates; ``sample_indices[b]`` is row ``b``'s sample."""
+    """Tensors ``[rows, T]`` in token coordinates.
+
+    Padded: ``sample_indices[b]`` is row ``b``'s sample. Packed: ``attention_mask`` None, and
+    ``seq_ids[r, i]`` indexes ``sample_indices`` for the token at ``[r, i]`` (-1 on padding).
+    """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor
     loss_mask: torch.Tensor
     logprobs: torch.Tensor
@@ -42,6 +53,18 @@ class MicroBatch:
     advantages: torch.Tensor
     sample_indices: list[int]
     proximal_logprobs: torch.Tensor | None = field(default=None)  # filled in by the trainer
+    seq_ids: torch.Tensor | None = field(default=None)  # which sample each token is; -1 on padding
+
+    def __post_init__(self) -> None:
+        if self.seq_ids is None:  # padded rows: row b is sample b
+            rows = torch.arange(self.input_ids.shape[0]).unsqueeze(1).expand_as(self.input_ids)
+            valid = self.attention_mask.bool() if self.attention_mask is not None else torch.ones_like(rows, dtype=torch.bool)
+            self.seq_ids = torch.where(valid, rows, torch.full_like(rows, -1))
+
+    @property
+    def n_tokens(self) -> int:
+        """Token slots this micro-batch runs through the model (padding included)."""
+        return self.input_ids.numel()
 
     @property
     def n_loss_tokens(self) -> int:
@@ -125,12 +148,122 @@ def make_micro_batches(
     return [collate(samples, group, advantages, pad_id) for group in plan_micro_batches(lengths, max_tokens)]
 
 
-def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
-    """A one-token batch with nothing to learn from.
+def plan_packs(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: sample indices per packed micro-batch, each summing to ``<= max_tokens``.
 
-    Under DDP every rank must run the same number of synchronizing backward passes; a rank whose
-    shard of a minibatch is empty runs this one (zero loss, zero gradient).
+    A sample longer than the budget is a micro-batch of its own.
     """
-    fake = {k: [pad_id if k == "input_ids" else pad] for k, (_, pad) in TOKEN_FIELDS.items()}
-    fake["loss_mask"] = [0]
-    return collate([fake], [0], [0.0], pad_id)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def pack_rows(lengths: Sequence[int], rows: str = "one", attn_weight: float = 0.0) -> tuple[list[list[int]], int]:
+    """How one micro-batch's samples are laid out: ``(rows of positions into lengths, row width)``.
+
+    ``one``: everything in one row (flash-attention's varlen path needs a single row, and then
+    no attention work is wasted). ``longest``: rows as wide as the longest sample, filled first-fit
+    decreasing. Attention without varlen kernels (sdpa, eager) computes a masked ``W x W`` block
+    per row, so many short samples in one long row waste most of it, while one long sample among
+    short ones makes ``longest`` pad a lot. ``auto`` picks the cheaper of the two by
+    ``slots + attn_weight * rows * W^2`` (linear layers per slot, padding included, plus dense
+    attention per row).
+    """
+    if rows == "one" or not lengths:
+        return [list(range(len(lengths)))], sum(lengths)
+    if rows not in ("longest", "auto"):
+        raise ValueError(f"rows must be 'one', 'longest' or 'auto', got {rows!r}")
+    width = max(lengths)
+    layout = plan_packs(lengths, width)
+    if rows == "auto":
+        total = sum(lengths)
+        one_cost = total + attn_weight * total * total
+        rows_cost = len(layout) * width * (1 + attn_weight * width)
+        if one_cost <= rows_cost:
+            return [list(range(len(lengths)))], total
+    return layout, width
+
+
+def pack(
+    samples: Sequence[dict[str, Any]],
+    indices: Sequence[int],
+    advantages: Sequence[float],
+    pad_id: int = 0,
+    rows: str = "one",
+    attn_weight: float = 0.0,
+) -> MicroBatch:
+    """Concatenate the given samples into a packed :class:`MicroBatch` (see :func:`pack_rows`).
+
+    Row-end padding continues as a sequence of its own (positions from 0, ``seq_ids`` -1,
+    ``loss_mask`` 0), so it never attends to or from a sample.
+    """
+    chosen = [samples[i] for i in indices]
+    lengths = [validate_sample(s) for s in chosen]
+    layout, width = pack_rows(lengths, rows, attn_weight)
+    order = [j for row in layout for j in row]  # sample_indices in layout order
+    slot = {j: b for b, j in enumerate(order)}
+    fields: dict[str, list[torch.Tensor]] = {k: [] for k in TOKEN_FIELDS}
+    pos, seq, adv = [], [], []
+    for row in layout:
+        used = sum(lengths[j] for j in row)
+        pad = width - used
+        for key, (dtype, pad_value) in TOKEN_FIELDS.items():
+            parts = [torch.as_tensor(chosen[j][key], dtype=dtype) for j in row]
+            fill = pad_id if key == "input_ids" else pad_value
+            parts.append(torch.full((pad,), fill, dtype=dtype))
+            fields[key].append(torch.cat(parts))
+        pos.append(torch.cat([torch.arange(lengths[j]) for j in row] + [torch.arange(pad)]))
+        seq.append(torch.cat([torch.full((lengths[j],), slot[j], dtype=torch.long) for j in row]
+                             + [torch.full((pad,), -1, dtype=torch.long)]))
+        adv.append(torch.cat([torch.full((lengths[j],), float(advantages[indices[j]]), dtype=torch.float32) for j in row]
+                             + [torch.zeros(pad)]))
+    return MicroBatch(
+        attention_mask=None,
+        position_ids=torch.stack(pos),
+        advantages=torch.stack(adv),
+        sample_indices=[indices[j] for j in order],
+        seq_ids=torch.stack(seq),
+        **{k: torch.stack(v) for k, v in fields.items()},
+    )
+
+
+def pack_micro_batches(
+    samples: Sequence[dict[str, Any]],
+    advantages: Sequence[float],
+    max_tokens: int,
+    pad_id: int = 0,
+    rows: str = "one",
+    attn_weight: float = 0.0,
+) -> list[MicroBatch]:
+    """All samples packed into micro-batches of at most ``max_tokens`` tokens each."""
+    if len(advantages) != len(samples):
+        raise ValueError("one advantage per sample is required")
+    lengths = [validate_sample(s) for s in samples]
+    return [pack(samples, group, advantages, pad_id, rows, attn_weight) for group in plan_packs(lengths, max_tokens)]
+
+
+EMPTY_TOKENS = 2  # the filler's length: the LM head needs one predicted position
+
+
+def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
+    """A two-token packed batch with nothing to learn from (a zero-weight step).
+
+    Under FSDP every rank must run the same number of forward and backward passes (each one
+    all-gathers and reduce-scatters); a rank whose share of a minibatch has fewer micro-batches
+    runs these (zero loss, zero gradient, every parameter still in the graph).
+    """
+    fake = {k: [pad_id if k == "input_ids" else pad] * EMPTY_TOKENS for k, (_, pad) in TOKEN_FIELDS.items()}
+    fake["loss_mask"] = [0] * EMPTY_TOKENS
+    mb = pack([fake], [0], [0.0], pad_id)
+    mb.sample_indices = []
+    return mb

@@ -32,6 +32,11 @@ class TrainConfig:
     admin_token: str | None = _opt(None, "bearer token for the proxies' admin and pull API")
     publish: bool = _opt(True, "push each step's weights to the proxies (pause -> update_weights -> resume)")
     keep_last: int | None = _opt(3, "keep only the newest N step directories ('none' keeps all)")
+    checkpoint_every: int | None = _opt(
+        10, "save a sharded training checkpoint (model, AdamW state, step, RNG) to <out>/checkpoints/step_{k} "
+        "every N steps and after the last one ('none': never)")
+    keep_checkpoints: int = _opt(1, "keep only the newest N training checkpoints")
+    resume: str | None = _opt(None, "continue from this training checkpoint directory (its step + 1 up to --steps)")
     save_dtype: str | None = _opt(None, "cast weights when saving, e.g. bfloat16 (default: as trained)")
 
     # schedule
@@ -49,8 +54,11 @@ class TrainConfig:
     adam_eps: float = _opt(1e-8, "AdamW epsilon")
     max_grad_norm: float | None = _opt(1.0, "gradient clipping norm ('none' disables)")
     ppo_n_minibatches: int = _opt(1, "optimizer steps per training step (the batch is split in this many)")
-    micro_batch_tokens: int = _opt(8192, "padded tokens per forward/backward (gradient accumulation unit)")
-    gradient_checkpointing: bool = _opt(False, "recompute decoder activations in backward to save memory")
+    micro_batch_tokens: int = _opt(
+        8192, "tokens per forward/backward: samples are packed up to this many (a longer sample runs alone)")
+    gradient_checkpointing: bool | None = _opt(
+        None, "activation checkpointing per decoder layer: recompute activations in backward "
+        "(default: on with CUDA, off on CPU)")
     seed: int = _opt(0, "seed for minibatch shuffling")
 
     # loss (docs/design.md section 6)
@@ -61,14 +69,29 @@ class TrainConfig:
     behav_imp_weight_cap: float | None = _opt(5.0, "mask tokens whose behaviour weight exceeds this ('none': no cap)")
     behav_imp_weight_floor: float | None = _opt(0.2, "mask tokens whose behaviour weight is below this ('none': no floor)")
     adv_normalize_std: bool = _opt(True, "divide group-centred rewards by the group's std")
-    max_staleness: int | None = _opt(4, "drop samples with a token older than version - N ('none': keep all)")
-    mask_missing_proximal: bool = _opt(False, "mask tokens whose pi_{v+1} recompute never happened")
+    max_staleness: int | None = _opt(
+        4, "mask loss tokens sampled before version - N (a sample with none left is dropped; 'none': keep all)")
+    missing_proximal: str = _opt(
+        "fallback", "tokens whose pi_{v+1} recompute never happened: fallback (their behaviour weight is "
+        "the decoupled pi_prox/pi_behav instead of 1), mask (not trained on) or keep (weight 1)")
+    mask_missing_proximal: bool = _opt(False, "same as --missing-proximal mask")
+    loss_agg: str = _opt(
+        "token-mean", "loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean or "
+        "seq-mean-token-sum-norm (token sum / --loss-norm-tokens, Dr. GRPO)")
+    loss_norm_tokens: int = _opt(8192, "the constant divisor of seq-mean-token-sum-norm (e.g. the generation budget)")
+    engine_gap_cap: float | None = _opt(
+        None, "tokens sampled by the weights the step starts from get weight min(pi_trainer/pi_engine, CAP) "
+        "(truncated importance sampling of the numerics gap; default: off, weight 1)")
 
     # numerics
     temperature: float = _opt(1.0, "the engines' sampling temperature (log-probs are computed at it)")
     logprob_chunk_size: int = _opt(1024, "tokens per LM-head chunk in the log-prob computation")
     device: str = _opt("auto", "auto, cpu or cuda")
-    model_dtype: str = _opt("float32", "parameter dtype (bf16 autocast is used on CUDA regardless)")
+    model_dtype: str = _opt("float32", "master weight and AdamW state dtype (float32; bfloat16 is refused)")
+    compute_dtype: str = _opt("auto", "dtype of the gathered weights in forward/backward: auto (bfloat16 on CUDA, "
+                              "float32 on CPU), bfloat16 or float32")
+    attn_implementation: str = _opt("auto", "transformers attention: auto (flash_attention_2 on CUDA when "
+                                    "installed, else sdpa), sdpa, eager, flash_attention_2")
 
     stats_path: str | None = _opt(None, "per-step stats JSONL (default: <out>/stats.jsonl)")
     progress: bool = _opt(True, "show a progress bar")
@@ -83,7 +106,34 @@ class TrainConfig:
             raise ValueError("--behav-weight must be segment, decoupled or off")
         if self.ppo_n_minibatches < 1 or self.steps < 0 or self.batch_samples < 1:
             raise ValueError("--ppo-n-minibatches and --batch-samples must be >= 1, --steps >= 0")
+        self.check_dtypes()
+        if self.missing_proximal not in ("fallback", "mask", "keep"):
+            raise ValueError("--missing-proximal must be fallback, mask or keep")
+        from .loss import LOSS_AGGS
+
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"--loss-agg must be one of {', '.join(LOSS_AGGS)}")
+        if self.micro_batch_tokens < 2:
+            raise ValueError("--micro-batch-tokens must be >= 2")
         return self
+
+    def check_dtypes(self) -> None:
+        """Refuse pure low-precision AdamW: it would silently not train."""
+        if self.model_dtype in ("bfloat16", "float16"):
+            raise ValueError(
+                f"--model-dtype {self.model_dtype} would run AdamW on {self.model_dtype} weights with no float32 "
+                "master copy: at a learning rate like 1e-6 almost every update rounds away and the model silently "
+                "does not train. Keep --model-dtype float32 (the default); on GPU the forward and backward already "
+                "run in bfloat16 (--compute-dtype auto) while the sharded master weights and AdamW state stay float32."
+            )
+        if self.model_dtype not in ("float32", "float64"):
+            raise ValueError("--model-dtype must be float32 (or float64)")
+        if self.compute_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError("--compute-dtype must be auto, bfloat16 or float32")
+
+    @property
+    def missing_proximal_mode(self) -> str:
+        return "mask" if self.mask_missing_proximal else self.missing_proximal
 
 
 _FLAG_NAMES = {"proxies": "proxy"}
@@ -115,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="GRPO / decoupled-PPO trainer that learns from Splice proxies.",
         epilog="Every flag can also be set as SPLICE_TRAIN_<FLAG> (e.g. SPLICE_TRAIN_LR=1e-6; "
         "SPLICE_TRAIN_PROXIES takes a comma-separated list); SPLICE_ADMIN_TOKEN sets the admin token. "
-        "Data-parallel: torchrun --nproc_per_node N -m trainer_bridge.train ...",
+        "Several GPUs (FSDP2): torchrun --nproc-per-node N -m trainer_bridge.train ... (docs/training.md).",
     )
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):

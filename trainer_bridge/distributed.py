@@ -1,13 +1,16 @@
 """torch.distributed plumbing for running the trainer under ``torchrun``.
 
-Rank 0 is the only rank that talks to the proxies: it pulls, then broadcasts the samples to every
-rank; each rank trains on its shard and DDP all-reduces the gradients; rank 0 saves, publishes
-and acks. Without ``WORLD_SIZE > 1`` everything here degrades to single-process no-ops.
+Rank 0 is the only rank that talks to the proxies: it pulls, plans the step and sends each rank
+only its share of the samples; each rank trains on its share of the FSDP2-sharded model; rank 0
+saves, publishes and acks. A single process gets a one-rank process group too, so the sharded
+code path is the same for every world size; the object collectives below skip the wire there.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from collections.abc import Callable
@@ -48,17 +51,52 @@ def setup(device_preference: str = "auto", timeout_s: float = 3600.0) -> Dist:
     device = pick_device(device_preference, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    owns_group = world_size > 1 and not torch_dist.is_initialized()
+    owns_group = not torch_dist.is_initialized()
     if owns_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
         # generous timeout: rank 0 may long-poll the proxy while the others wait in a broadcast
-        torch_dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if world_size > 1:
+            torch_dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            _single_process_group(backend, timeout)
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, owns_group=owns_group)
+
+
+def _single_process_group(backend: str, timeout: timedelta) -> None:
+    """A one-rank group over a private file store (no port to pick, nothing to clean up)."""
+    fd, path = tempfile.mkstemp(prefix="splice-train-pg-")
+    os.close(fd)
+    os.unlink(path)  # FileStore creates it
+    store = torch_dist.FileStore(path, 1)
+    torch_dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+    _STORE_FILES.append(path)
+
+
+_STORE_FILES: list[str] = []
+
+
+@atexit.register
+def _remove_store_files() -> None:
+    while _STORE_FILES:
+        try:
+            os.unlink(_STORE_FILES.pop())
+        except OSError:
+            pass
+
+
+def ensure_group(dist: Dist) -> None:
+    """Make sure a process group exists (a :class:`Dist` built by hand, as in tests, has none)."""
+    if not torch_dist.is_initialized():
+        if dist.world_size > 1:
+            raise RuntimeError("a multi-rank Dist needs setup() under torchrun")
+        _single_process_group("nccl" if dist.device.type == "cuda" else "gloo", timedelta(seconds=3600))
 
 
 def teardown(dist: Dist) -> None:
     if dist.owns_group and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+        _remove_store_files()
 
 
 def broadcast(dist: Dist, obj: Any) -> Any:
@@ -93,6 +131,15 @@ def on_main(dist: Dist, fn: Callable[[], Any]) -> Any:
     if not ok:
         raise RemoteError(f"rank 0 failed: {payload}")
     return payload
+
+
+def scatter(dist: Dist, per_rank: list[Any] | None) -> Any:
+    """Rank 0's ``per_rank[r]`` on rank ``r``: each rank receives only its own share."""
+    if not dist.enabled:
+        return per_rank[0]
+    out: list[Any] = [None]
+    torch_dist.scatter_object_list(out, per_rank if dist.is_main else None, src=0)
+    return out[0]
 
 
 def gather(dist: Dist, obj: Any) -> list[Any]:

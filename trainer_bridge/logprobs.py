@@ -19,11 +19,31 @@ import torch
 import torch.nn.functional as F
 
 
+_LOW = (torch.bfloat16, torch.float16)
+
+
 def _logits(hidden, weight, bias, inv_temp):
-    """One chunk's logits in float32 (float64 if the inputs are), scaled by 1/temperature."""
-    dt = torch.promote_types(hidden.dtype, torch.float32)
-    logits = F.linear(hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
+    """One chunk's logits in float32 (float64 if the inputs are), scaled by 1/temperature.
+
+    bf16 hidden states and head (FSDP mixed precision on GPU): a bf16 GEMM with float32 output,
+    never a float32 copy of the ``[vocab, hidden]`` weight; the log-sum-exp runs in float32.
+    """
+    if hidden.dtype in _LOW and weight.dtype == hidden.dtype:
+        logits = _low_precision_linear(hidden, weight)
+        if bias is not None:
+            logits = logits + bias.float()
+    else:
+        dt = torch.promote_types(hidden.dtype, torch.float32)
+        logits = F.linear(hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
     return logits.mul_(inv_temp) if inv_temp != 1.0 else logits
+
+
+def _low_precision_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` from bf16/fp16 operands into a float32 result (fp32 accumulate)."""
+    try:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):  # builds without out_dtype support
+        return F.linear(hidden, weight).float()
 
 
 class _ChunkLogprobs(torch.autograd.Function):
@@ -51,9 +71,11 @@ class _ChunkLogprobs(torch.autograd.Function):
         grad.scatter_add_(-1, targets.unsqueeze(-1), g)
         if ctx.inv_temp != 1.0:
             grad.mul_(ctx.inv_temp)
-        dt = grad.dtype
-        grad_hidden = (grad @ weight.to(dt)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (grad.T @ hidden.to(dt)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        # low-precision head: bf16 GEMMs (grad cast down) instead of float32 copies of the weight
+        dt = weight.dtype if weight.dtype in _LOW else grad.dtype
+        g_low = grad.to(dt)
+        grad_hidden = (g_low @ weight.to(dt)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (g_low.T @ hidden.to(dt)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None
 

@@ -13,7 +13,21 @@ one-version step after the weights that sampled the token (``proximal_logprobs_t
 the proxy). That weight has far lower variance than the multi-version ``pi_prox / pi_behav``.
 ``proximal_logprobs_t`` only ever enters ``w``; the PPO ratio never sees it.
 
-All tensors share one shape and are in token coordinates (docs/design.md section 2).
+All tensors share one shape and are in token coordinates (docs/design.md section 2): padded
+``[rows, T]`` (each row one sample) or packed (``[T]`` or ``[1, T]`` with ``seq_ids`` saying which
+sample each token belongs to).
+
+Options for long off-policy agent samples:
+
+* ``proximal_missing``: tokens whose ``pi_{v+1}`` was never recomputed fall back to the
+  decoupled weight ``pi_prox / pi_behav`` (segment mode only; otherwise their weight would be 1);
+* ``fresh`` + ``engine_gap_cap``: tokens sampled by the very weights the trainer starts from get
+  ``w = min(pi_prox / pi_behav, cap)``, a truncated importance weight for the trainer-vs-engine
+  numerics gap (their segment weight would be 1);
+* ``loss_agg``: how token terms become one number (see :data:`LOSS_AGGS`).
+
+Statistics come back as tensors, so a training step needs no host sync for them;
+:func:`stats_to_floats` turns them into Python numbers in one transfer.
 """
 
 from __future__ import annotations
@@ -23,14 +37,38 @@ from typing import Literal
 import torch
 
 BehavWeight = Literal["segment", "decoupled", "off"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+#: ``token-mean``: sum over tokens / number of loss tokens (the default; SPEC section 6).
+#: ``seq-mean-token-sum``: mean over samples of each sample's token sum.
+#: ``seq-mean-token-mean``: mean over samples of each sample's token mean (GRPO's original).
+#: ``seq-mean-token-sum-norm``: mean over samples of token sum / ``loss_norm_tokens``, a constant
+#: (Dr. GRPO: no length normalisation, so long samples are not down-weighted per token).
+LOSS_AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+STAT_KEYS = (
+    "clip_frac",
+    "dual_clip_frac",
+    "masked_frac",
+    "behav_imp_weight_mean",
+    "behav_imp_weight_std",
+    "behav_imp_weight_max",
+    "behav_kl_mean",
+    "ratio_mean",
+    "ratio_std",
+    "ratio_min",
+    "ratio_max",
+    "missing_fallback_frac",
+    "engine_gap_capped_frac",
+)
 
 
 def decoupled_ppo_loss(
     *,
     logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor | None = None,
     old_logprobs: torch.Tensor,
-    proximal_logprobs_t: torch.Tensor,
+    proximal_logprobs_t: torch.Tensor | None = None,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     eps_clip: float = 0.2,
@@ -40,23 +78,53 @@ def decoupled_ppo_loss(
     behav_imp_weight_cap: float | None = 5.0,
     behav_imp_weight_floor: float | None = 0.2,
     loss_normalizer: float | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Return ``(loss, stats)``.
+    loss_agg: LossAgg = "token-mean",
+    seq_ids: torch.Tensor | None = None,
+    loss_norm_tokens: float | None = None,
+    proximal_missing: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    engine_gap_cap: float | None = None,
+    staleness: torch.Tensor | None = None,
+    staleness_buckets: int = 8,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Return ``(loss, stats)``; ``stats`` values are tensors (no host sync here).
 
-    ``loss = sum(pg * w * mask_effective) / sum(loss_mask)``: a global token mean. With gradient
-    accumulation pass ``loss_normalizer`` = the loss-mask token count of the whole minibatch
-    (all micro-batches, all ranks) so that the accumulated gradient is that same mean.
+    ``loss = sum(pg * w * mask_effective * agg)``, ``agg`` per :data:`LOSS_AGGS`. With gradient
+    accumulation pass ``loss_normalizer`` = the whole minibatch's count (all micro-batches, all
+    ranks) of what the aggregation divides by: loss tokens for ``token-mean``, samples with a loss
+    token for the ``seq-mean-*`` modes; then the accumulated gradient is the minibatch's.
+    Per-sample sums need every token of a sample in the same call (samples are never split).
+
+    ``proximal_logprobs`` None: the PPO ratio is identically 1 (one minibatch per step), the
+    proximal values are ``logprobs`` detached. ``proximal_logprobs_t`` is only needed by the
+    ``segment`` weight. ``staleness`` (per token, ``version - versions``) adds per-staleness sums
+    of the behaviour weight (``behav_imp_weight_sum_by_staleness``, ``tokens_by_staleness``;
+    the last bucket holds everything older).
 
     Stats are over the tokens of ``loss_mask``; ``n_tokens`` says how many, so that callers can
     merge stats from several micro-batches (see :class:`StatsAccumulator`).
     """
-    shapes = {t.shape for t in (logprobs, proximal_logprobs, old_logprobs, proximal_logprobs_t, advantages, loss_mask)}
+    if proximal_logprobs is None:
+        proximal_logprobs = logprobs.detach()
+    if proximal_logprobs_t is None:
+        if behav_weight == "segment":
+            raise ValueError("behav_weight='segment' needs proximal_logprobs_t")
+        proximal_logprobs_t = old_logprobs
+    tensors = [logprobs, proximal_logprobs, old_logprobs, proximal_logprobs_t, advantages, loss_mask]
+    tensors += [t for t in (seq_ids, proximal_missing, fresh, staleness) if t is not None]
+    shapes = {t.shape for t in tensors}
     if len(shapes) != 1:
         raise ValueError(f"all loss inputs must share one shape, got {sorted(map(tuple, shapes))}")
     if behav_weight not in ("segment", "decoupled", "off"):
         raise ValueError(f"behav_weight must be 'segment', 'decoupled' or 'off', got {behav_weight!r}")
     if c_clip is not None and c_clip <= 1.0:
         raise ValueError(f"c_clip must be > 1 for dual clip, got {c_clip}")
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGS)}, got {loss_agg!r}")
+    if loss_agg == "seq-mean-token-sum-norm" and not loss_norm_tokens:
+        raise ValueError("loss_agg='seq-mean-token-sum-norm' needs loss_norm_tokens (the constant normaliser)")
+    if engine_gap_cap is not None and engine_gap_cap <= 0:
+        raise ValueError(f"engine_gap_cap must be > 0, got {engine_gap_cap}")
     eps_hi = eps_clip if eps_clip_higher is None else eps_clip_higher
 
     mask = loss_mask.bool()
@@ -81,67 +149,130 @@ def decoupled_ppo_loss(
     # Behaviour importance weight: detached, per token, then capped/floored by masking.
     with torch.no_grad():
         old = old_logprobs.to(torch.float64)
+        prox64 = prox.to(torch.float64)
+        no = torch.zeros_like(mask)
+        fallback = mask & proximal_missing.bool() if (proximal_missing is not None and behav_weight == "segment") else no
         if behav_weight == "segment":
-            behav_kl = proximal_logprobs_t.to(torch.float64) - old
+            behav_kl = torch.where(fallback, prox64 - old, proximal_logprobs_t.to(torch.float64) - old)
         elif behav_weight == "decoupled":
-            behav_kl = prox.to(torch.float64) - old
+            behav_kl = prox64 - old
         else:
             behav_kl = torch.zeros_like(old)
         behav_kl = torch.where(mask, behav_kl, torch.zeros_like(behav_kl))
         w = torch.exp(behav_kl)
+        capped = no
+        if engine_gap_cap is not None and fresh is not None:
+            gap_w = torch.exp(torch.where(mask, prox64 - old, torch.zeros_like(old)))
+            fresh_m = mask & fresh.bool()
+            capped = fresh_m & (gap_w > engine_gap_cap)
+            w = torch.where(fresh_m, gap_w.clamp(max=engine_gap_cap), w)
         keep = mask.clone()
         if behav_imp_weight_cap is not None:
             keep &= w <= behav_imp_weight_cap
         if behav_imp_weight_floor is not None:
             keep &= w >= behav_imp_weight_floor
         w_eff = torch.where(keep, w, torch.zeros_like(w)).to(logprobs.dtype)
+        agg = _aggregation_weights(mask, loss_agg, seq_ids, loss_normalizer, loss_norm_tokens).to(logprobs.dtype)
 
-    n_tokens = mask.sum()
-    if loss_normalizer is None:
-        denom = n_tokens.clamp(min=1).to(logprobs.dtype)
-    else:
-        denom = torch.as_tensor(loss_normalizer, dtype=logprobs.dtype, device=logprobs.device).clamp(min=1)
-    loss = (pg * w_eff).sum() / denom
+    loss = (pg * w_eff * agg).sum()
 
     with torch.no_grad():
-        n = int(n_tokens.item())
-        stats = {"loss": float(loss.item()), "n_tokens": n}
-        stats.update(_token_stats(mask, n, ratio=ratio, w=w, behav_kl=behav_kl, clipped=clipped, dual=dual, keep=keep))
+        stats = _token_stats(mask, ratio=ratio.detach(), w=w, behav_kl=behav_kl, clipped=clipped, dual=dual, keep=keep,
+                             fallback=fallback, capped=capped)
+        stats["loss"] = loss.detach()
+        if staleness is not None:
+            bucket = staleness.long().clamp(0, staleness_buckets - 1)
+            m = mask.to(torch.float64)
+            stats["behav_imp_weight_sum_by_staleness"] = torch.zeros(staleness_buckets, dtype=torch.float64, device=w.device).index_add_(
+                0, bucket.reshape(-1), (w * m).reshape(-1))
+            stats["tokens_by_staleness"] = torch.zeros(staleness_buckets, dtype=torch.float64, device=w.device).index_add_(
+                0, bucket.reshape(-1), m.reshape(-1))
     return loss, stats
 
 
-def _token_stats(mask, n, *, ratio, w, behav_kl, clipped, dual, keep) -> dict[str, float]:
-    """Means/fractions over loss-mask tokens; zeros when there are none."""
-    if n == 0:
-        zero = dict.fromkeys(
-            [
-                "clip_frac",
-                "dual_clip_frac",
-                "masked_frac",
-                "behav_imp_weight_mean",
-                "behav_imp_weight_std",
-                "behav_imp_weight_max",
-                "behav_kl_mean",
-                "ratio_mean",
-                "ratio_std",
-                "ratio_min",
-                "ratio_max",
-            ],
-            0.0,
-        )
-        return zero
-    wm = w[mask].to(torch.float64)
-    rm = ratio.detach()[mask].to(torch.float64)
+def _aggregation_weights(mask, loss_agg, seq_ids, loss_normalizer, loss_norm_tokens) -> torch.Tensor:
+    """Per-token factor turning token terms into the aggregated loss (0 off the mask)."""
+    m = mask.to(torch.float64)
+    if loss_agg == "token-mean":
+        denom = m.sum() if loss_normalizer is None else torch.as_tensor(loss_normalizer, dtype=torch.float64, device=m.device)
+        return m / denom.clamp(min=1)
+    if seq_ids is None:  # padded rows (or one packed sample): each row is a sample
+        seq_ids = torch.arange(m.shape[0], device=m.device).unsqueeze(-1).expand_as(m) if m.dim() > 1 else torch.zeros_like(m, dtype=torch.long)
+    ids = seq_ids.reshape(-1).long()
+    valid = ids >= 0
+    slot = torch.where(valid, ids, torch.zeros_like(ids))
+    flat = m.reshape(-1) * valid
+    per_seq = torch.zeros(ids.numel(), dtype=torch.float64, device=m.device).index_add_(0, slot, flat)  # loss tokens per sample
+    if loss_normalizer is None:
+        n_seqs = (per_seq > 0).sum().to(torch.float64)
+    else:
+        n_seqs = torch.as_tensor(loss_normalizer, dtype=torch.float64, device=m.device)
+    n_seqs = n_seqs.clamp(min=1)
+    if loss_agg == "seq-mean-token-sum":
+        weight = flat / n_seqs
+    elif loss_agg == "seq-mean-token-mean":
+        weight = flat / (n_seqs * per_seq[slot].clamp(min=1))
+    else:  # seq-mean-token-sum-norm
+        weight = flat / (n_seqs * float(loss_norm_tokens))
+    return weight.reshape(m.shape)
+
+
+def _token_stats(mask, *, ratio, w, behav_kl, clipped, dual, keep, fallback, capped) -> dict[str, torch.Tensor]:
+    """Means/fractions over loss-mask tokens, as 0-d tensors; zeros when there are none."""
+    m = mask.to(torch.float64)
+    n = m.sum()
+    inv = 1.0 / n.clamp(min=1)
+    has = n > 0
+
+    def mean(x):
+        return (x.to(torch.float64) * m).sum() * inv
+
+    def std(x):
+        x = x.to(torch.float64)
+        return (((x - mean(x)) ** 2) * m).sum().mul(inv).sqrt()
+
+    def extreme(x, fn, fill):
+        x = torch.where(mask, x.to(torch.float64), torch.full_like(x, fill, dtype=torch.float64))
+        return torch.where(has, fn(x), torch.zeros((), dtype=torch.float64, device=x.device))
+
     return {
-        "clip_frac": clipped[mask].double().mean().item(),
-        "dual_clip_frac": dual[mask].double().mean().item(),
-        "masked_frac": 1.0 - keep[mask].double().mean().item(),
-        "behav_imp_weight_mean": wm.mean().item(),
-        "behav_imp_weight_std": wm.std(unbiased=False).item(),
-        "behav_imp_weight_max": wm.max().item(),
-        "behav_kl_mean": behav_kl[mask].mean().item(),
-        "ratio_mean": rm.mean().item(),
-        "ratio_std": rm.std(unbiased=False).item(),
-        "ratio_min": rm.min().item(),
-        "ratio_max": rm.max().item(),
+        "n_tokens": mask.sum(),
+        "clip_frac": mean(clipped),
+        "dual_clip_frac": mean(dual),
+        "masked_frac": torch.where(has, 1.0 - mean(keep), torch.zeros_like(n)),
+        "behav_imp_weight_mean": mean(w),
+        "behav_imp_weight_std": std(w),
+        "behav_imp_weight_max": extreme(w, torch.max, float("-inf")),
+        "behav_kl_mean": mean(behav_kl),
+        "ratio_mean": mean(ratio),
+        "ratio_std": std(ratio),
+        "ratio_min": extreme(ratio, torch.min, float("inf")),
+        "ratio_max": extreme(ratio, torch.max, float("-inf")),
+        "missing_fallback_frac": mean(fallback),
+        "engine_gap_capped_frac": mean(capped),
     }
+
+
+def stats_to_floats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Tensor stats as Python numbers, in one device-to-host transfer.
+
+    Vector stats (per-staleness sums) become ``<key>_<i>`` entries; ``n_tokens`` an int.
+    """
+    keys, parts = [], []
+    for k, v in stats.items():
+        t = torch.as_tensor(v).detach().to(torch.float64).reshape(-1)
+        keys.append((k, t.numel(), torch.as_tensor(v).dim()))
+        parts.append(t.cpu() if t.device.type == "cpu" else t)
+    if not parts:
+        return {}
+    values = torch.cat([p.to(parts[0].device) for p in parts]).tolist()
+    out: dict[str, float] = {}
+    i = 0
+    for k, size, dim in keys:
+        if dim == 0:
+            out[k] = int(values[i]) if k == "n_tokens" else values[i]
+        else:
+            for j in range(size):
+                out[f"{k}_{j}"] = values[i + j]
+        i += size
+    return out

@@ -2,7 +2,8 @@
 
 ``Policy.forward`` runs the decoder body to get final hidden states, then applies the LM head in
 chunks (``logprobs.py``), so a full ``[tokens, vocab]`` logits tensor never exists. Being an
-``nn.Module`` whose forward does the whole computation, it can be wrapped in DDP as is.
+``nn.Module`` whose forward does the whole computation, it is the FSDP2 root (``sharding.py``):
+the head's weight is read inside this forward, where FSDP has all-gathered it, never from outside.
 
 Dropout is always off: it would make the proximal pass and the first training pass differ, and
 the PPO ratio on the first minibatch must be exactly 1. The model runs in eval mode (gradients
@@ -68,34 +69,50 @@ class Policy(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs, entropy)`` in token coordinates, float32, shaped like ``input_ids``.
 
-        With ``loss_mask`` only those tokens go through the LM head (the rest are 0).
+        Packed input (several samples in one row): ``attention_mask`` None and ``position_ids``
+        restarting at 0 per sample; a token at position 0 has nothing predicting it and gets 0.
+        With ``loss_mask`` only those tokens go through the LM head (the rest are 0); if it
+        selects nothing, one token still goes through, so that every parameter takes part in
+        backward (a rank with nothing to learn still joins FSDP's gradient reduce).
         """
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        head = self.head
+        # fp32 weights on CUDA (no FSDP mixed precision): compute the body under bf16 autocast
         autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
-            if input_ids.device.type == "cuda"
+            if input_ids.device.type == "cuda" and head.weight.dtype == torch.float32
             else contextlib.nullcontext()
         )
         with autocast:
             hidden = self.body(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state
-        head = self.head
+        starts = position_ids == 0
+        mask = None
+        if loss_mask is not None:
+            mask = loss_mask.bool() & ~starts
+            if input_ids.shape[-1] > 1 and not bool(mask.any()):
+                mask = mask.clone()
+                mask[..., -1] = True  # zero-weight: in the graph, not in the loss (loss_mask is 0)
         with torch.autocast(input_ids.device.type, enabled=False):  # log-probs always in float32
-            return token_logprobs_and_entropy(
+            lp, ent = token_logprobs_and_entropy(
                 hidden,
                 input_ids,
                 head.weight,
                 head.bias,
                 temperature=self.temperature,
                 chunk_size=self.chunk_size,
-                mask=loss_mask,
+                mask=mask,
             )
+        zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+        return torch.where(starts, zero, lp), torch.where(starts, zero, ent)
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -108,15 +125,34 @@ def disable_dropout(model: nn.Module) -> None:
                 setattr(module, attr, 0.0)
 
 
-def load_causal_lm(model_dir: str, *, dtype: str = "float32", gradient_checkpointing: bool = False) -> nn.Module:
+def pick_attn_implementation(preference: str, device: torch.device) -> str | None:
+    """``auto``: flash-attention 2 (varlen over packed samples) on CUDA when installed, else sdpa."""
+    if preference != "auto":
+        return preference
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def load_causal_lm(
+    model_dir: str,
+    *,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+) -> nn.Module:
     """Load a local HF causal LM directory (no hub access)."""
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True, **extra)
     except TypeError:  # transformers < 4.56 spells it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch_dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch_dtype, local_files_only=True, **extra)
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
@@ -127,18 +163,26 @@ def load_causal_lm(model_dir: str, *, dtype: str = "float32", gradient_checkpoin
     return model
 
 
-def save_hf_dir(model: nn.Module, src_dir: str | None, out_dir: str | Path, *, dtype: str | None = None) -> Path:
-    """Write ``model`` as a safetensors HF directory plus the tokenizer files from ``src_dir``.
+def save_hf_dir(
+    model: nn.Module,
+    src_dir: str | None,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``model`` (or ``state_dict``, e.g. gathered from FSDP shards) as a safetensors HF
+    directory plus the tokenizer files from ``src_dir``.
 
     Written to a temporary sibling and renamed, so an engine never loads a half-written directory.
     """
     out = Path(out_dir).absolute()
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    state_dict = None
     if dtype is not None:
         target = getattr(torch, dtype)
-        state_dict = {k: (v.to(target) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
+        source = state_dict if state_dict is not None else model.state_dict()
+        state_dict = {k: (v.to(target) if v.is_floating_point() else v) for k, v in source.items()}
     kwargs = {"state_dict": state_dict} if state_dict is not None else {}
     if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
         kwargs["safe_serialization"] = True  # transformers 4.x; 5.x always writes safetensors

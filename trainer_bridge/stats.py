@@ -1,6 +1,6 @@
 """Merge per-micro-batch stats into per-step stats.
 
-A step is many micro-batches (and, under DDP, many ranks). Each produces stats over its own
+A step is many micro-batches (and, under FSDP, many ranks). Each produces stats over its own
 tokens; the step's numbers must be over *all* tokens, so stats are merged by token count:
 means weighted, stds pooled (Chan's parallel formula), maxima/minima as such, sums summed.
 The rule is picked from the key's suffix, so new stats need no registration.

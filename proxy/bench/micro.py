@@ -442,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     from .pull import add_parser as add_pull_parser
 
     add_pull_parser(sub)
+    from .train import add_parser as add_train_parser
+
+    add_train_parser(sub)
 
     args = ap.parse_args(argv)
     if args.name == "splice":
@@ -466,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         from .soak import run as _run_soak
 
         res = _run_soak(args)
+    elif args.name == "train":
+        from .train import run as _run_train
+
+        res = _run_train(args)
     else:
         from .overhead import run as _run_overhead
 

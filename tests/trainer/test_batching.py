@@ -63,4 +63,4 @@ def test_mismatched_lengths_are_rejected():
 
 def test_empty_micro_batch_has_nothing_to_learn():
     mb = empty_micro_batch()
-    assert mb.input_ids.shape == (1, 1) and mb.n_loss_tokens == 0
+    assert mb.input_ids.shape == (1, 2) and mb.n_loss_tokens == 0 and mb.sample_indices == []

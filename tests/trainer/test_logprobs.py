@@ -178,3 +178,26 @@ def test_peak_memory_is_bounded_by_the_chunk():
     naive = _forward_backward(naive_token_logprobs_and_entropy, 384, hidden)
     assert naive.largest >= 383 * QWEN_VOCAB * 4  # the tracker does see a full logits tensor
     assert naive.peak > 8 * long.peak
+
+
+def test_bf16_head_is_a_bf16_gemm_with_float32_normalizer():
+    """bf16 hidden states and head (FSDP mixed precision): float32 log-probs close to the float64
+    reference, gradients in bf16, and no float32 copy of the weight is needed."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 12, 32, generator=g).bfloat16()
+    weight = (torch.randn(300, 32, generator=g) * 0.3).bfloat16()
+    ids = torch.randint(0, 300, (2, 12), generator=g)
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    lp, ent = token_logprobs_and_entropy(h, ids, w, chunk_size=5)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+    ref_lp, ref_ent = naive_token_logprobs_and_entropy(hidden.double(), ids, weight.double(), dtype=torch.float64)
+    # the bf16 operands are exact in float64; only the GEMM's output rounding differs
+    torch.testing.assert_close(lp, ref_lp, atol=3e-2, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=3e-2, rtol=0)
+    lp.sum().backward()
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    naive = torch.log_softmax(hd[..., :-1, :] @ wd.T, -1).gather(-1, ids[..., 1:].unsqueeze(-1)).sum()
+    naive.backward()
+    torch.testing.assert_close(w.grad.double(), wd.grad, atol=5e-2, rtol=2e-2)

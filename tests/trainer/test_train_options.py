@@ -1,0 +1,132 @@
+"""Trainer options for lab scale: dtype policy, activation checkpointing default, stale-token
+masking, the skipped proximal pass, and what stats.jsonl records per step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from splice_trainer_testlib import make_samples
+from trainer_bridge import learner as learner_mod
+from trainer_bridge.config import TrainConfig, build_parser, config_from_argv
+from trainer_bridge.distributed import Dist
+from trainer_bridge.learner import activation_checkpointing, build_learner, compute_dtype
+from trainer_bridge.train import prepare_batch, train
+
+
+def config(model, out, **kw) -> TrainConfig:
+    base = dict(proxies=["http://unused"], model=str(model), out=str(out), steps=1, micro_batch_tokens=64, lr=1e-3,
+                progress=False, checkpoint_every=None)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+class Client:
+    def __init__(self, batches, version=5):
+        self.batches, self._version = list(batches), version
+
+    def version(self):
+        return self._version
+
+    def pull(self, max_samples, wait_s):
+        batch = self.batches.pop(0) if self.batches else []
+        return ("L" if batch else None), batch
+
+    def ack(self, lease):
+        pass
+
+    def publish(self, path, version):
+        self._version = version
+
+
+def test_bf16_adamw_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match="master copy"):
+        config_from_argv(["--proxy", "http://a", "--model", "/m", "--model-dtype", "bfloat16"])
+    assert config_from_argv(["--proxy", "http://a", "--model", "/m"]).model_dtype == "float32"
+    with pytest.raises(ValueError, match="master copy"):  # also when built in code, not from the CLI
+        build_learner(TrainConfig(proxies=["u"], model="/m", model_dtype="bfloat16"), Dist())
+
+
+def test_precision_and_checkpointing_defaults_follow_the_device():
+    cfg = TrainConfig(proxies=["u"], model="m")
+    assert compute_dtype(cfg, torch.device("cuda", 0)) == torch.bfloat16
+    assert compute_dtype(cfg, torch.device("cpu")) is None  # float32 on CPU
+    assert activation_checkpointing(cfg, torch.device("cuda", 0)) is True
+    assert activation_checkpointing(cfg, torch.device("cpu")) is False
+    off = config_from_argv(["--proxy", "u", "--model", "m", "--no-gradient-checkpointing"])
+    assert activation_checkpointing(off, torch.device("cuda", 0)) is False
+
+
+def test_help_states_the_defaults():
+    text = build_parser().format_help()
+    for needle in ("--missing-proximal", "fallback", "--loss-agg", "seq-mean-token-sum-norm", "--engine-gap-cap",
+                   "--resume", "--micro-batch-tokens", "on with CUDA"):
+        assert needle in text, needle
+
+
+def test_stale_tokens_are_masked_not_the_sample():
+    s = make_samples(n_groups=1, group_size=1, seed=3, version=5)[0]
+    # an agent run over versions 1..5: its first loss tokens are too old for max_staleness 2
+    loss_idx = [i for i, m in enumerate(s["loss_mask"]) if m]
+    for j, i in enumerate(loss_idx):
+        s["versions"][i] = 1 + (4 * j) // len(loss_idx)
+        s["proximal_versions"][i] = s["versions"][i] + 1
+    kept, _, info = prepare_batch([s], 6, config("m", "o", max_staleness=2))
+    expected = [0 if (m and v < 4) else m for m, v in zip(s["loss_mask"], s["versions"])]
+    assert len(kept) == 1 and kept[0]["loss_mask"] == expected
+    assert info["n_stale_tokens_masked"] == sum(s["loss_mask"]) - sum(expected) > 0
+    assert info["n_dropped_stale"] == 0
+    all_old = dict(s, versions=[1 if m else -1 for m in s["loss_mask"]])
+    kept, _, info = prepare_batch([all_old], 6, config("m", "o", max_staleness=2))
+    assert kept == [] and info["n_dropped_stale"] == 1  # nothing left to learn from: dropped
+
+
+def test_one_minibatch_skips_the_proximal_pass(tiny_model_dir, tmp_path, monkeypatch):
+    calls = []
+    real = learner_mod.proximal_pass
+    monkeypatch.setattr(learner_mod, "proximal_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    samples = make_samples(seed=4)
+    one = train(config(tiny_model_dir, tmp_path / "one", ppo_n_minibatches=1), client=Client([samples]))
+    assert calls == [] and one[0]["proximal_pass_skipped"] is True and one[0]["first_minibatch_ratio_dev"] == 0.0
+    assert one[0]["engine_gap_tokens"] > 0  # measured in the training forward instead
+    two = train(config(tiny_model_dir, tmp_path / "two", ppo_n_minibatches=2), client=Client([samples]))
+    assert calls == [1] and two[0]["proximal_pass_skipped"] is False
+
+
+def test_stats_record_balance_padding_memory_and_staleness(tiny_model_dir, tmp_path):
+    samples = make_samples(n_groups=3, group_size=2, seed=2)
+    train(config(tiny_model_dir, tmp_path, ppo_n_minibatches=2), client=Client([samples]))
+    record = json.loads((tmp_path / "stats.jsonl").read_text().splitlines()[0])
+    assert record["imbalance"] == 1.0  # one rank
+    # sdpa on CPU: rows as wide as the longest sample where that is cheaper; never more padding
+    # than one row per sample
+    assert 0.0 <= record["padding_frac"] <= record["padding_frac_unpacked"] and record["padding_frac_unpacked"] > 0
+    assert record["peak_rss_mb_max"] > 50 and len(record["peak_rss_mb_by_rank"]) == 1
+    # make_samples: tokens of versions 4 and 5 at version 5 -> staleness 1 and 0
+    assert record["tokens_stale0"] + record["tokens_stale1"] == record["loss_tokens"]
+    assert record["behav_imp_weight_mean_stale0"] == pytest.approx(1.0)  # fresh tokens: prox_t == behaviour
+    assert record["behav_imp_weight_mean_stale1"] != pytest.approx(1.0)
+
+
+def test_bf16_compute_keeps_float32_master_weights(tiny_model_dir):
+    """FSDP mixed precision (what GPU runs use), here on CPU: the body runs in bfloat16 while the
+    sharded parameters and AdamW state stay float32, and a step moves the weights."""
+    from trainer_bridge.learner import learner_step
+
+    cfg = TrainConfig(proxies=["u"], model=str(tiny_model_dir), compute_dtype="bfloat16", lr=1e-2, progress=False,
+                      ppo_n_minibatches=2)
+    kept, adv, _ = prepare_batch(make_samples(seed=1), 5, cfg)
+    learner = build_learner(cfg, Dist())
+    seen = []
+    learner.policy.model.model.norm.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    before = {n: p.full_tensor().clone() for n, p in learner.policy.named_parameters()}
+    stats = learner_step(learner, kept, adv, cfg, step=1, version=5)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert {p.to_local().dtype for p in learner.policy.parameters()} == {torch.float32}
+    moments = [v for s in learner.optimizer.state.values() for v in s.values() if v.dim()]
+    assert moments and {v.dtype for v in moments} == {torch.float32}
+    changed = [(p.full_tensor() != before[n]).float().mean().item() for n, p in learner.policy.named_parameters()]
+    assert sum(changed) / len(changed) > 0.5
+    assert stats["first_minibatch_ratio_dev"] == 0.0
