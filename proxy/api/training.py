@@ -38,13 +38,7 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
         status = q.get("status")
         if status not in (None, "", "open", "closed", "all"):
             raise APIError(400, f"status must be open, closed or all, got {status!r}", code="invalid_value", param="status")
-        try:
-            since = float(q["since"]) if q.get("since") else None
-            limit = int(q.get("limit") or 100)
-        except ValueError:
-            raise APIError(400, "since must be a number (unix seconds) and limit an integer", code="invalid_value") from None
-        if not 1 <= limit <= 1000:
-            raise APIError(400, "limit must be between 1 and 1000", code="invalid_value", param="limit")
+        since, limit = _since_and_limit(q)
         closed = {"open": False, "closed": True}.get(status or "")
         try:
             page = await asyncio.to_thread(
@@ -120,13 +114,7 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
         """Rewarded sessions' samples without leasing anything (``splice export``):
         ``?since=<unix s>&acked=true&limit=<sessions>&cursor=``; JSON or Arrow like the pull."""
         q = request.query_params
-        try:
-            since = float(q["since"]) if q.get("since") else None
-            limit = int(q.get("limit") or 100)
-        except ValueError:
-            raise APIError(400, "since must be a number (unix seconds) and limit an integer", code="invalid_value") from None
-        if not 1 <= limit <= 1000:
-            raise APIError(400, "limit must be between 1 and 1000", code="invalid_value", param="limit")
+        since, limit = _since_and_limit(q)
         acked = (q.get("acked") or "false").lower()
         if acked not in ("true", "false", "1", "0"):
             raise APIError(400, "acked must be true or false", code="invalid_value", param="acked")
@@ -152,6 +140,18 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
         return JSONResponse({"lease_id": body.lease_id, "acked": True, "detail": None})
 
     return r
+
+
+def _since_and_limit(q) -> tuple[float | None, int]:
+    """``since`` (unix seconds, optional) and ``limit`` (1..1000, default 100) of a listing."""
+    try:
+        since = float(q["since"]) if q.get("since") else None
+        limit = int(q.get("limit") or 100)
+    except ValueError:
+        raise APIError(400, "since must be a number (unix seconds) and limit an integer", code="invalid_value") from None
+    if not 1 <= limit <= 1000:
+        raise APIError(400, "limit must be between 1 and 1000", code="invalid_value", param="limit")
+    return since, limit
 
 
 def wants_arrow(accept: str | None) -> bool:

@@ -30,7 +30,7 @@ import httpx
 from engines.reference.launch import free_port
 
 from .overhead import SYSTEM, TOOL, USER
-from .stack import HERE, REPLY_TEXT, wait_http
+from .stack import HERE, REPLY_TEXT, stop_all, wait_http
 
 
 def add_parser(sub) -> None:
@@ -150,13 +150,7 @@ def run(args) -> dict:
                     surl, purl = _start(tmp, src, tok, tok_dir, args.prefill_tok_s, procs)
                     res = asyncio.run(_case(surl, purl, turns, args.tokens, args.sessions, mode))
                 finally:
-                    for p in reversed(procs):
-                        if p.poll() is None:
-                            p.terminate()
-                            try:
-                                p.wait(10)
-                            except subprocess.TimeoutExpired:
-                                p.kill()
+                    stop_all(procs)
                 res["source"] = label
                 rows.append(res)
                 print(f"{label} T={turns} {mode}: {res['prefill_calls']} prefills ({res['prefill_tokens']} tokens), "

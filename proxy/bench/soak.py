@@ -24,7 +24,7 @@ import orjson
 
 from .loadgen import Conn
 from .overhead import SYSTEM, TOOL, USER
-from .stack import REPLY_TEXT, start_splice, start_standin, wait_http
+from .stack import REPLY_TEXT, start_splice, start_standin, stop_all, wait_http
 
 
 
@@ -227,10 +227,4 @@ def run(args) -> dict:
             print("admin errors:", driver.admin_errors[:3])
         return {"summary": summary, "rounds": rows}
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_all(procs)

@@ -58,3 +58,14 @@ def start_splice(tmp: str, engine_url: str, tok_dir: str, procs: list[subprocess
          "--store", os.path.join(tmp, "splice.sqlite"), "--host", "127.0.0.1", "--port", str(port), *extra], env=env,
     ))  # fmt: skip
     return port
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Terminate what a bench started, newest first; kill what does not stop in 10 s."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
