@@ -3,8 +3,9 @@
 runs the command, gets the answer, resumes the conversation, and every later turn is spliced.
 
 The npm packages are installed on first use under ``.cache/agent-clis`` (gitignored); without
-npm or the registry the tests skip. The model is the tiny reference model with a 64k context
-(both CLIs send a ~10k-token system prompt and tool list). Each test takes ~20-40 s.
+npm or the registry the tests skip. The proxy is the default ``splice serve`` (no model flags):
+the bundled tiny model's 128k context holds both CLIs' ~8-21k-token system prompt and tool
+list. Each test takes ~20-40 s.
 """
 
 from __future__ import annotations
@@ -42,10 +43,15 @@ def cli(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_64k(tmp_path_factory):
-    from engines.reference.model_init import init_model
+def splice_home(tmp_path_factory) -> dict:
+    """A fresh ``$SPLICE_HOME``: ``splice serve`` creates its bundled default model there."""
+    return {"SPLICE_HOME": str(tmp_path_factory.mktemp("splice-home"))}
 
-    return str(init_model(tmp_path_factory.mktemp("model") / "tiny64k", max_position_embeddings=65536))
+
+def _default_model(home: dict) -> str:
+    from engines.reference.model_init import BUNDLED_MODEL_NAME
+
+    return str(Path(home["SPLICE_HOME"]) / "models" / BUNDLED_MODEL_NAME)
 
 
 def _turns(proxy, session: str, headers=None) -> list[dict]:
@@ -97,9 +103,9 @@ env_http_headers = {{ "X-Session-Id" = "SPLICE_SESSION", "X-Group-Id" = "SPLICE_
 """
 
 
-def test_codex_cli_default_tools(tmp_path, model_64k):
+def test_codex_cli_default_tools(tmp_path, splice_home):
     codex = cli("codex")
-    proxy = start_proxy(tmp_path, model_64k, script=CODEX_SCRIPT)
+    proxy = start_proxy(tmp_path, None, script=CODEX_SCRIPT, env=splice_home)
     try:
         home, work = tmp_path / "codex-home", tmp_path / "work"
         home.mkdir()
@@ -119,7 +125,7 @@ def test_codex_cli_default_tools(tmp_path, model_64k):
         assert len(turns) == 3
         _all_spliced(turns)
         assert turns[0]["requested_sampling"]["tools_not_offered"] == ["web_search"]
-        assert "splice-ok" in _bridge_text(model_64k, turns)  # the command's output, spliced after the call
+        assert "splice-ok" in _bridge_text(_default_model(splice_home), turns)  # the command's output, spliced after the call
 
         # the README recipe: per-episode session and group headers from the environment
         out = _run(ask + ["Run echo splice-ok and tell me what it printed."], work, {**env, "SPLICE_SESSION": "ep-7", "SPLICE_GROUP": "g-7"})
@@ -141,10 +147,10 @@ CLAUDE_SCRIPT = [
 ]
 
 
-def test_claude_code_cli(tmp_path, model_64k):
+def test_claude_code_cli(tmp_path, splice_home):
     claude = cli("claude")
     key = "sk-splice-cc"
-    proxy = start_proxy(tmp_path, model_64k, script=CLAUDE_SCRIPT, extra=["--api-key", key])
+    proxy = start_proxy(tmp_path, None, script=CLAUDE_SCRIPT, extra=["--api-key", key], env=splice_home)
     try:
         home, work = tmp_path / "home", tmp_path / "work"
         home.mkdir()
@@ -161,7 +167,7 @@ def test_claude_code_cli(tmp_path, model_64k):
         turns = _turns(proxy, "cc-ep-1", {"Authorization": f"Bearer {key}"})
         assert len(turns) == 3
         _all_spliced(turns)
-        assert "splice-ok" in _bridge_text(model_64k, turns)  # the tool really ran; its output was spliced in
+        assert "splice-ok" in _bridge_text(_default_model(splice_home), turns)  # the tool really ran; its output was spliced in
     finally:
         proxy.stop()
         _stop_engine(proxy)
