@@ -42,11 +42,30 @@ class Message:
 
 @dataclass(frozen=True)
 class Tool:
-    """A function tool definition (OpenAI's flat shape)."""
+    """A function tool definition (OpenAI's flat shape).
+
+    ``spec``: the function object as the client sent it (every field, in its order: ``strict``
+    and whatever else a client adds; the name as the model is offered it), which is what the
+    chat template renders, as inference servers' own chat endpoints do. None: built from
+    ``name``, ``description`` and ``parameters``.
+    """
 
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    spec: dict[str, Any] | None = field(default=None, hash=False, compare=True)
+
+    def template_spec(self) -> dict[str, Any]:
+        """The function object the chat template sees."""
+        if self.spec is not None:
+            return self.spec
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+    def extra_fields(self) -> dict[str, Any]:
+        """Fields the client sent beyond name, description and parameters (``strict``, ...)."""
+        if self.spec is None:
+            return {}
+        return {k: v for k, v in self.spec.items() if k not in ("name", "description", "parameters")}
 
 
 def to_renderer_message(msg: Message, *, keep_developer: bool = False) -> dict[str, Any]:
@@ -92,14 +111,11 @@ def to_renderer_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[
 
 
 def to_template_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[str, Any]] | None:
-    """Tools in OpenAI's nested Chat Completions shape, field for field, as templates expect them:
-    ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+    """Tools in OpenAI's nested Chat Completions shape, field for field as the client sent them,
+    as templates expect them: ``{"type": "function", "function": {"name", "description", ...}}``."""
     if not tools:
         return None
-    return [
-        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-        for t in tools
-    ]
+    return [{"type": "function", "function": t.template_spec()} for t in tools]
 
 
 def _canonical_message(msg: Message) -> list[Any]:
@@ -154,5 +170,11 @@ def fingerprint(messages: list[Message] | tuple[Message, ...]) -> str:
 def tools_fingerprint(tools: list[Tool] | tuple[Tool, ...] | None) -> str:
     import hashlib
 
-    data = [[t.name, t.description, t.parameters] for t in (tools or [])]
+    data = []
+    for t in tools or []:
+        row: list[Any] = [t.name, t.description, t.parameters]
+        sent = list(t.template_spec().items())
+        if sent != [("name", t.name), ("description", t.description), ("parameters", t.parameters)]:
+            row.append(sent)  # only then: tools sent in the plain shape keep the fingerprint they had
+        data.append(row)
     return hashlib.blake2b(json.dumps(data, sort_keys=True).encode(), digest_size=8).hexdigest()
