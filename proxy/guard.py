@@ -195,7 +195,7 @@ class Guard:
                 x_api_key = v.decode("latin-1")
             elif k == b"content-length":
                 length = v
-        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token, x_api_key=x_api_key)
+        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token, x_api_key=x_api_key, reward_token=s.reward_token)
         if length is not None and (not length.isdigit() or int(length) > s.max_request_bytes):
             if not length.isdigit():
                 raise APIError(400, "invalid Content-Length header", code="invalid_request")

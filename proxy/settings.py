@@ -27,8 +27,9 @@ class Settings(BaseSettings):
     store: str = "splice_data/splice.sqlite"
     host: str = "127.0.0.1"
     port: int = 8000
-    admin_token: str | None = None
-    api_key: str | None = None
+    admin_token: str | None = None  # the trainer's: pulls, /admin, session listing / reading / rewards
+    api_key: str | None = None  # the agents': Responses, Chat, Messages
+    reward_token: str | None = None  # a grader's: rewards and session listing / reading only
     thinking_retention: Literal["all", "tool_cycle", "template"] = "all"
     sampling: Literal["trainable", "honor"] = "trainable"
     # Counting the drift a full re-render would have caused costs a full render per checked turn
