@@ -59,9 +59,6 @@ def _is_loopback(host: str) -> bool:
 
 def build(settings: Settings):
     """Engine pool, chat format and (for the embedded default) a function that stops the engine process."""
-    from engines.pool import EnginePool
-    from tokenization import ChatFormat, load_tokenizer, renderer_name_for
-
     engine_proc = None
     urls = list(settings.engine_url)
     tokenizer_path = settings.tokenizer
@@ -74,11 +71,24 @@ def build(settings: Settings):
         model_dir = str(ensure_model(settings.reference_model))
         url, engine_proc = start_engine(
             model_dir, script=settings.reference_script, script_delay_s=settings.reference_script_delay_ms / 1000.0,
-            timeout_s=120.0, capture_log=False,
+            timeout_s=120.0, capture_log=False, die_with_parent=True,
         )
         urls = [url]
         tokenizer_path = tokenizer_path or model_dir
         renderer = renderer or "qwen3"  # the bundled model is Qwen3 with the real Qwen3 template
+    try:
+        settings, fmt, pool = _build_proxy(settings, urls, tokenizer_path, renderer)
+    except BaseException:
+        if engine_proc is not None:
+            engine_proc()
+        raise
+    return settings, fmt, pool, engine_proc
+
+
+def _build_proxy(settings: Settings, urls: list[str], tokenizer_path: str | None, renderer: str | None):
+    from engines.pool import EnginePool
+    from tokenization import ChatFormat, load_tokenizer, renderer_name_for
+
     kind = "vllm" if settings.engine == "vllm" else "sglang"
     if not tokenizer_path:
         tokenizer_path = _engine_model_path(kind, urls, settings)
@@ -92,7 +102,7 @@ def build(settings: Settings):
     name = renderer_name_for(settings.model_name, renderer) if renderer != "generic" else None
     fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention)
     pool = EnginePool(kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s, routing=settings.routing)
-    return settings, fmt, pool, engine_proc
+    return settings, fmt, pool
 
 
 def _engine_model_path(kind: str, urls: list[str], settings: Settings) -> str:
@@ -119,10 +129,6 @@ def _engine_model_path(kind: str, urls: list[str], settings: Settings) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .app import create_app
-
     settings = settings_from_args(args)
     if settings.temperature != 1.0 and settings.sampling == "trainable":
         print(
@@ -140,6 +146,39 @@ def serve(args: argparse.Namespace) -> int:
         )
         return 2
     os.makedirs(os.path.dirname(os.path.abspath(settings.store)), exist_ok=True)
+    _exit_on_sigterm()
+    try:
+        return _serve(settings)
+    except KeyboardInterrupt:  # SIGINT / Ctrl-C: everything started has been stopped on the way out
+        return 130
+    except _Terminated:
+        return 143
+
+
+class _Terminated(BaseException):
+    """SIGTERM (Docker, Kubernetes, systemd): unwinds like Ctrl-C, so every ``finally`` runs."""
+
+
+def _exit_on_sigterm() -> None:
+    import signal
+
+    def handler(signum, frame):
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, handler)
+
+
+def _serve(settings: Settings) -> int:
+    """Build, serve, and stop what was started. A SIGTERM or SIGINT while the engine starts, while
+    serving (uvicorn shuts down gracefully, then re-raises the signal) or while shutting down
+    unwinds through the ``finally`` blocks; the engine child also dies with this process if it is
+    killed outright (``die_with_parent``)."""
+    import uvicorn
+
+    from .app import create_app
+
     settings, fmt, pool, engine_proc = build(settings)
     app = create_app(settings, fmt=fmt, pool=pool)
     base = f"http://{settings.host}:{settings.port}"
