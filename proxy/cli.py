@@ -37,6 +37,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-inflight", type=int, help="turns in flight before new ones wait (default: 128 per CPU core, 256-4096)")
     p.add_argument("--admission-wait-s", type=float, help="how long a turn beyond --max-inflight waits before 429 (default 2)")
     p.add_argument("--max-request-bytes", type=int, help="largest request body accepted (default 32 MiB)")
+    p.add_argument("--max-header-bytes", type=int, help="largest request line + headers accepted (default 64 KiB; larger: 431)")
+    p.add_argument("--header-timeout-s", type=float, help="time a client has to send its request headers (default 10; then 408)")
     p.add_argument("--reference-model", metavar="DIR", help="model dir for the bundled engine (created if missing)")
     p.add_argument("--reference-script", metavar="FILE")
     p.add_argument("--reference-script-delay-ms", type=int)
@@ -178,6 +180,7 @@ def _serve(settings: Settings) -> int:
     import uvicorn
 
     from .app import create_app
+    from .http_server import server_options
 
     settings, fmt, pool, engine_proc = build(settings)
     app = create_app(settings, fmt=fmt, pool=pool)
@@ -197,7 +200,8 @@ def _serve(settings: Settings) -> int:
                 )
 
     try:
-        Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)).run()
+        limits = server_options(settings.max_header_bytes, settings.header_timeout_s)
+        Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False, **limits)).run()
     finally:
         if engine_proc is not None:
             engine_proc()

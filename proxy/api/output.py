@@ -8,6 +8,7 @@ from typing import Any
 
 from tokenization import ChatFormat
 
+from ..ids import header_value
 from ..session.turn import TurnRequest, TurnResult
 
 
@@ -64,4 +65,4 @@ def splice_info(result: TurnResult, req: TurnRequest | None = None) -> dict[str,
 
 def splice_headers(result: TurnResult) -> dict[str, str]:
     """``X-Splice-Session-Id`` / ``X-Splice-Turn-Id``: where a header-less client's turn landed."""
-    return {"X-Splice-Session-Id": result.session_id, "X-Splice-Turn-Id": result.turn_id}
+    return {"X-Splice-Session-Id": header_value(result.session_id), "X-Splice-Turn-Id": result.turn_id}
