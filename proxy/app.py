@@ -72,7 +72,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     app.include_router(chat_router(runner))
     app.include_router(messages_router(runner))
     app.include_router(training_router(store, recompute, settings))
-    app.include_router(admin_router(store, pool, recompute, metrics))
+    app.include_router(admin_router(store, pool, recompute, metrics, max_pause_s=settings.max_pause_s))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):

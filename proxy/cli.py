@@ -33,6 +33,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-context", type=int)
     p.add_argument("--max-output-tokens", type=int, help="cap on every turn's output (default: what fits in the context)")
     p.add_argument("--lease-timeout-s", type=float)
+    p.add_argument("--max-pause-s", type=float, help="a pause nobody resumes is lifted after this many seconds (default 600): held agent turns never wait longer")
     p.add_argument("--engine-timeout-s", type=float, help="total deadline of one engine call, in seconds (default 600)")
     p.add_argument("--max-inflight", type=int, help="turns in flight before new ones wait (default: 128 per CPU core, 256-4096)")
     p.add_argument("--admission-wait-s", type=float, help="how long a turn beyond --max-inflight waits before 429 (default 2)")

@@ -40,6 +40,7 @@ class Settings(BaseSettings):
     max_context: int | None = None  # prompt + output tokens; default (and upper bound): the engine's own
     max_output_tokens: int | None = None  # caps every turn's output; None: as much as fits in the context
     lease_timeout_s: float = 600.0
+    max_pause_s: float = Field(default=600.0, gt=0)  # a pause nobody resumes is lifted after this (held turns go on)
     max_request_bytes: int = 32 * 1024 * 1024
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)  # request line + headers; larger is a 431
     header_timeout_s: float = Field(default=10.0, gt=0)  # headers not complete this long after a connection / request began: 408
