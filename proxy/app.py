@@ -45,7 +45,8 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
         default_max_tokens=settings.max_output_tokens,
     )  # fmt: skip
     drift = DriftChecker(fmt, store, metrics, settings.drift_check)
-    runner = TurnRunner(fmt, pool, store, metrics, sampling=sampling, drift=drift, model_name=settings.model_name)
+    runner = TurnRunner(fmt, pool, store, metrics, sampling=sampling, drift=drift, model_name=settings.model_name,
+                        history_edits=settings.history_edits)  # fmt: skip
     recompute = RecomputeScheduler(store, pool, metrics)
 
     @asynccontextmanager

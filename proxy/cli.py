@@ -27,6 +27,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--api-key", help="the agents' credential (Responses, Chat, Messages); never opens a trainer route")
     p.add_argument("--reward-token", help="a grader's credential: rewards and session listing / reading only")
     p.add_argument("--thinking-retention", choices=["all", "tool_cycle", "template"])
+    p.add_argument("--history-edits", choices=["fork", "keep"],
+                   help="a replayed history edited only in system/developer text or earlier tool arguments: fork (default) "
+                        "or keep (continue the recorded tokens; the edit is recorded). Per request: X-Splice-History-Edits")
     p.add_argument("--sampling", choices=["trainable", "honor"])
     p.add_argument("--drift-check", choices=["all", "sampled", "off"])
     p.add_argument("--temperature", type=float)

@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     api_key: str | None = None  # the agents': Responses, Chat, Messages
     reward_token: str | None = None  # a grader's: rewards and session listing / reading only
     thinking_retention: Literal["all", "tool_cycle", "template"] = "all"
+    # A replayed history that differs from the recorded turns only in system / developer text or
+    # earlier tool-call arguments: "fork" renders it in full (a new sample), "keep" continues the
+    # recorded tokens and records the edit. A request's X-Splice-History-Edits header overrides it.
+    history_edits: Literal["fork", "keep"] = "fork"
     sampling: Literal["trainable", "honor"] = "trainable"
     # Counting the drift a full re-render would have caused costs a full render per checked turn
     # (off the hot path, but CPU): "sampled" inherits a parent's drift and renders turns 0-7 and

@@ -110,6 +110,11 @@ def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[
     """
     meta = req.metadata if metadata is None else metadata
     session_id, group_id, group_size = session_fields(headers, meta, client_session(headers, meta))
+    policy = headers.get("x-splice-history-edits") if headers is not None else None
+    if policy is not None:
+        policy = policy.strip().lower()
+        if policy not in ("fork", "keep"):
+            raise bad_request(f"X-Splice-History-Edits must be 'fork' or 'keep', got {policy!r}", code="invalid_value", param="X-Splice-History-Edits")
     return TurnRequest(
         api=api,
         messages=messages,
@@ -129,6 +134,7 @@ def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[
         present=present,
         tools_not_offered=list(not_offered or ()),
         controls_not_enforced={k: v for k, v in (controls or {}).items() if v is not None},
+        history_edits_policy=policy,
     )
 
 

@@ -60,6 +60,7 @@ def splice_info(result: TurnResult, req: TurnRequest | None = None) -> dict[str,
         "malformed_tool_calls": len(result.parsed.malformed_calls),
         "tools_not_offered": sorted(set(req.tools_not_offered)) if req is not None else [],
         "controls_not_enforced": sorted(req.controls_not_enforced) if req is not None else [],
+        "history_edits": list(req.history_edits) if req is not None else [],  # continued under --history-edits keep
     }
 
 
