@@ -74,9 +74,11 @@ def build(settings: Settings):
 
         from engines.reference.launch import start_engine
 
-        model_dir = str(ensure_model(settings.reference_model))
+        # absolute: the engine child runs from the repository root, not from the user's directory
+        model_dir = os.path.abspath(ensure_model(settings.reference_model))
+        script = os.path.abspath(settings.reference_script) if settings.reference_script else None
         url, engine_proc = start_engine(
-            model_dir, script=settings.reference_script, script_delay_s=settings.reference_script_delay_ms / 1000.0,
+            model_dir, script=script, script_delay_s=settings.reference_script_delay_ms / 1000.0,
             timeout_s=120.0, capture_log=False, die_with_parent=True,
         )
         urls = [url]
