@@ -170,7 +170,7 @@ def offer_tools(tools: list[dict[str, Any]] | None, *, hosted_ok: bool = True, f
             ts.not_offered.append(hosted)
             if hosted not in _logged_hosted and len(_logged_hosted) < 256:
                 _logged_hosted.add(hosted)
-                log.info("hosted tool %r is not offered to the model (Splice cannot run it); reported in the splice block", hosted)
+                log.warning("hosted tool %r is not offered to the model (Splice cannot run it); reported in the splice block", hosted)
             continue
         spec = t.get("function") if isinstance(t.get("function"), dict) else t  # tolerate the Chat shape
         if typ == "custom" and isinstance(t.get("custom"), dict):
