@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import ROOT, start_proxy
+from tokenization.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -90,10 +91,10 @@ CODEX_SCRIPT = [
     "Resumed: still splice-ok.<|im_end|>",
 ]
 
-CODEX_CONFIG = """model = "splice-model"
+CODEX_CONFIG = """model = "gpt-5.5"
 model_provider = "splice"
 approval_policy = "never"
-sandbox_mode = "danger-full-access"
+sandbox_mode = "workspace-write"
 
 [model_providers.splice]
 name = "Splice"
@@ -124,8 +125,11 @@ def test_codex_cli_default_tools(tmp_path, splice_home):
         turns = _turns(proxy, thread)
         assert len(turns) == 3
         _all_spliced(turns)
-        assert turns[0]["requested_sampling"]["tools_not_offered"] == ["web_search"]
+        assert turns[0]["requested_sampling"]["tools_not_offered"] == ["tool_search", "web_search"]
         assert "splice-ok" in _bridge_text(_default_model(splice_home), turns)  # the command's output, spliced after the call
+        # a model slug Codex knows: it offers its freeform apply_patch tool, which Splice offers the model
+        first_prompt = load_tokenizer(_default_model(splice_home)).decode(turns[0]["prompt_ids"])
+        assert '"name": "apply_patch"' in first_prompt
 
         # the README recipe: per-episode session and group headers from the environment
         out = _run(ask + ["Run echo splice-ok and tell me what it printed."], work, {**env, "SPLICE_SESSION": "ep-7", "SPLICE_GROUP": "g-7"})
@@ -147,10 +151,12 @@ CLAUDE_SCRIPT = [
 ]
 
 
-def test_claude_code_cli(tmp_path, splice_home):
+@pytest.mark.parametrize("history_edits", [None, "keep"])
+def test_claude_code_cli(tmp_path, splice_home, history_edits):
     claude = cli("claude")
     key = "sk-splice-cc"
-    proxy = start_proxy(tmp_path, None, script=CLAUDE_SCRIPT, extra=["--api-key", key], env=splice_home)
+    extra = ["--api-key", key] + (["--history-edits", history_edits] if history_edits else [])
+    proxy = start_proxy(tmp_path, None, script=CLAUDE_SCRIPT, extra=extra, env=splice_home)
     try:
         home, work = tmp_path / "home", tmp_path / "work"
         home.mkdir()
@@ -168,6 +174,11 @@ def test_claude_code_cli(tmp_path, splice_home):
         assert len(turns) == 3
         _all_spliced(turns)
         assert "splice-ok" in _bridge_text(_default_model(splice_home), turns)  # the tool really ran; its output was spliced in
+        if history_edits == "keep":  # the episode is one training sample
+            auth = {"Authorization": f"Bearer {key}"}
+            assert proxy.post("/v1/sessions/cc-ep-1/reward", {"reward": 1.0}, headers=auth).status_code == 200
+            samples = proxy.post("/v1/trajectories/pull", {"max_samples": 100}).json()["samples"]
+            assert [x["session_id"] for x in samples] == ["cc-ep-1"]
     finally:
         proxy.stop()
         _stop_engine(proxy)
