@@ -8,7 +8,9 @@ sends a byte every few seconds is held open forever). ``LimitedHttpToolsProtocol
   then a lingering close (the rest of what the client sends is read and dropped, bounded, so
   it reads the answer instead of a connection reset);
 - headers not complete ``header_timeout_s`` after the connection opened or the request began:
-  408, and the connection is closed.
+  408, and the connection is closed;
+- a request the HTTP parser rejects (a NUL or other control character in a header, a broken
+  request line): 400 in OpenAI's error shape instead of uvicorn's plain-text one.
 
 Without httptools, uvicorn's h11 protocol is used with its header size limit.
 """
@@ -104,9 +106,11 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
             super().on_header(name, value)
 
         def send_400_response(self, msg: str) -> None:
-            if not self._too_large:
-                return super().send_400_response(msg)
             self._disarm()
+            if not self._too_large:  # a request the parser rejects (a control character in a header, ...)
+                self.transport.write(_response(400, b"Bad Request", "malformed HTTP request: the request line or a header is invalid", "invalid_request"))
+                self._linger()
+                return
             self.transport.write(_response(431, b"Request Header Fields Too Large", f"request headers are larger than {max_header_bytes} bytes", "request_header_fields_too_large"))
             self._linger()
 

@@ -17,6 +17,7 @@ import time
 from urllib.parse import quote
 
 import httpx
+import orjson
 import pytest
 
 from tests.e2e.conftest import kill_tree, start_proxy
@@ -114,6 +115,15 @@ def test_8_mb_of_headers_get_a_431_the_client_reads(proxy):
     assert out.startswith(b"HTTP/1.1 431 "), out[:200]
     assert b'"code":"request_header_fields_too_large"' in out
     assert httpx.get(proxy.url + "/health", headers={"X-Fine": "a" * 8000}, timeout=30).status_code == 200
+
+
+def test_a_control_character_in_a_header_is_a_400_in_openai_shape(proxy):
+    """The HTTP parser itself refuses it; the answer is still the API's shape."""
+    for bad in (b"X-Session-Id: ep\x00-1", b"X-Group-Id: g\x01"):
+        out = _raw(proxy.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + bad + b"\r\nContent-Length: 2\r\n\r\n{}")
+        assert out.startswith(b"HTTP/1.1 400 "), out[:200]
+        body = out.split(b"\r\n\r\n", 1)[1]
+        assert set(orjson.loads(body)["error"]) >= {"message", "type", "code"}
 
 
 def test_headers_sent_too_slowly_get_a_408_and_the_socket_closes(proxy):
