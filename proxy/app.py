@@ -16,7 +16,7 @@ from tokenization import ChatFormat
 from .api.admin import admin_router
 from .api.chat import chat_router
 from .api.jsonio import JSONResponse
-from .api.messages import messages_router
+from .api.messages import anthropic_error, messages_router
 from .api.responses import responses_router
 from .api.training import training_router
 from .errors import APIError, error_body
@@ -29,6 +29,11 @@ from .settings import Settings
 from .store import Store
 
 log = logging.getLogger("splice.app")
+
+
+def _anthropic_path(path: str) -> bool:
+    """Routes under ``/v1/messages`` answer in Anthropic's error shape, unknown ones included."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None = None) -> FastAPI:
@@ -44,8 +49,9 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
         store, pool, metrics, deadline_s=settings.recompute_deadline_s, max_staleness=settings.max_staleness
     )
     runner = TurnRunner(
-        fmt, pool, store, metrics, sampling=sampling, drift=drift, model_name=settings.model_name, recompute=recompute
-    )
+        fmt, pool, store, metrics, sampling=sampling, drift=drift, model_name=settings.model_name, recompute=recompute,
+        history_edits=settings.history_edits,
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -72,30 +78,44 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     app.include_router(chat_router(runner))
     app.include_router(messages_router(runner))
     app.include_router(training_router(store, recompute, settings))
-    app.include_router(admin_router(store, pool, recompute, metrics))
+    app.include_router(admin_router(store, pool, recompute, metrics, max_pause_s=settings.max_pause_s))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
+        if _anthropic_path(request.url.path):
+            status, body = anthropic_error(exc.status, exc.message)
+            return JSONResponse(body, status_code=status, headers=exc.headers)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        body = error_body(400, f"{where}: {first.get('msg', 'invalid request')}", code="invalid_request", param=where or None)
+        message = f"{where}: {first.get('msg', 'invalid request')}"
+        if _anthropic_path(request.url.path):
+            status, anth = anthropic_error(400, message)
+            return JSONResponse(anth, status_code=status)
+        body = error_body(400, message, code="invalid_request", param=where or None)
         return JSONResponse(body, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        # unknown routes and methods, in the same shape as every other error
+        # unknown routes and methods, in the same shape as every other error of their API
         message = "Not found." if exc.status_code == 404 else str(exc.detail)
+        if _anthropic_path(request.url.path):
+            status, body = anthropic_error(exc.status_code, message)
+            return JSONResponse(body, status_code=status, headers=exc.headers)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"), status_code=500)
+        message = f"internal error: {type(exc).__name__}"
+        if _anthropic_path(request.url.path):
+            status, anth = anthropic_error(500, message)
+            return JSONResponse(anth, status_code=status)
+        return JSONResponse(error_body(500, message, code="internal_error"), status_code=500)
 
     app.add_middleware(Guard, settings=settings, metrics=metrics)
 

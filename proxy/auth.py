@@ -1,13 +1,45 @@
-"""Bearer-token checks, compared in constant time."""
+"""Bearer-token checks, compared in constant time: who may call which route.
+
+Three credentials, each optional:
+
+- the agent API key (``--api-key``): the routes agents call (Responses, Chat, Messages, models);
+- the admin token (``--admin-token``): the trainer's routes: pulls and acks, ``/admin/*``, and
+  the session routes (listing, reading, rewards);
+- the reward token (``--reward-token``): a grader's credential: rewards and session
+  listing / reading, nothing else.
+
+The agent key never opens a trainer route once an admin or reward token is set: an agent with
+shell tools (Codex, Claude Code) holds the agent key and could otherwise read every session
+and reward itself. With neither set, the session routes fall back to the agent key (and the
+proxy refuses to bind a public address without an admin token).
+"""
 
 from __future__ import annotations
 
 import hmac
+from enum import Enum
 
 from .errors import APIError
 
-ADMIN_PREFIXES = ("/admin/", "/v1/trajectories/")
 OPEN_PATHS = ("/health", "/metrics")
+
+
+class Access(Enum):
+    OPEN = "open"
+    AGENT = "agent"  # the API key
+    SESSIONS = "sessions"  # session listing / reading / rewards: admin or reward token
+    TRAINER = "trainer"  # pulls, acks, /admin: the admin token
+
+
+def access_of(path: str) -> Access:
+    """Which credential a path needs."""
+    if path in OPEN_PATHS:
+        return Access.OPEN
+    if path.startswith(("/admin/", "/v1/trajectories/")) or path == "/admin":
+        return Access.TRAINER
+    if path == "/v1/sessions" or path.startswith("/v1/sessions/"):
+        return Access.SESSIONS
+    return Access.AGENT
 
 
 def bearer(header: str | None) -> str | None:
@@ -17,19 +49,48 @@ def bearer(header: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def check(path: str, authorization: str | None, *, api_key: str | None, admin_token: str | None, x_api_key: str | None = None) -> None:
+def _matches(offered: list[str | None], tokens: list[str]) -> bool:
+    return any(
+        got is not None and hmac.compare_digest(got.encode(), need.encode()) for got in offered for need in tokens
+    )
+
+
+def check(
+    path: str,
+    authorization: str | None,
+    *,
+    api_key: str | None,
+    admin_token: str | None,
+    x_api_key: str | None = None,
+    reward_token: str | None = None,
+) -> None:
     """Raise 401 unless the request carries the token its route needs.
 
     Agent routes take the API key as ``Authorization: Bearer`` (OpenAI's SDKs) or ``x-api-key``
-    (Anthropic's); admin routes only as a bearer token.
+    (Anthropic's); the trainer's and the session routes only a bearer token.
     """
-    if path in OPEN_PATHS:
+    access = access_of(path)
+    if access is Access.OPEN:
         return
-    admin = path.startswith(ADMIN_PREFIXES)
-    need = admin_token if admin else api_key
-    if need is None:
+    if access is Access.AGENT:
+        if api_key is None or _matches([bearer(authorization), x_api_key], [api_key]):
+            return
+        raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.", code="invalid_api_key")
+    if access is Access.TRAINER:
+        if admin_token is None or _matches([bearer(authorization)], [admin_token]):
+            return
+        raise APIError(401, "Invalid or missing admin token: send 'Authorization: Bearer <admin token>'.", code="invalid_api_key")
+    trainer = [t for t in (admin_token, reward_token) if t is not None]
+    if not trainer:  # no trainer credential configured: the agent key (if any) guards sessions
+        if api_key is None or _matches([bearer(authorization), x_api_key], [api_key]):
+            return
+        raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.", code="invalid_api_key")
+    if _matches([bearer(authorization)], trainer):
         return
-    offered = [bearer(authorization)] + ([] if admin else [x_api_key])
-    if not any(got is not None and hmac.compare_digest(got.encode(), need.encode()) for got in offered):
-        how = "'Authorization: Bearer <token>'" if admin else "'Authorization: Bearer <key>' or 'x-api-key: <key>'"
-        raise APIError(401, f"Invalid or missing {'admin token' if admin else 'API key'}: send {how}.", code="invalid_api_key")
+    names = " or ".join(n for n, t in (("admin token", admin_token), ("reward token", reward_token)) if t is not None)
+    raise APIError(
+        401,
+        f"Session listing, reading and rewards need the {names} ('Authorization: Bearer <token>'); "
+        "the agents' API key is not accepted here.",
+        code="invalid_api_key",
+    )

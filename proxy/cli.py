@@ -23,9 +23,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--store", metavar="PATH")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--admin-token")
-    p.add_argument("--api-key")
+    p.add_argument("--admin-token", help="the trainer's credential: pulls, /admin, session listing / reading / rewards")
+    p.add_argument("--api-key", help="the agents' credential (Responses, Chat, Messages); never opens a trainer route")
+    p.add_argument("--reward-token", help="a grader's credential: rewards and session listing / reading only")
     p.add_argument("--thinking-retention", choices=["all", "tool_cycle", "template"])
+    p.add_argument("--history-edits", choices=["fork", "keep"],
+                   help="a replayed history edited only in system/developer text or earlier tool arguments: fork (default) "
+                        "or keep (continue the recorded tokens; the edit is recorded). Per request: X-Splice-History-Edits")
     p.add_argument("--sampling", choices=["trainable", "honor"])
     p.add_argument("--drift-check", choices=["all", "sampled", "off"])
     p.add_argument("--temperature", type=float)
@@ -35,10 +39,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--recompute-deadline-s", type=float, help="longest a pause or pull waits for owed proximal values (R2) before going ahead without them (default 60)")
     p.add_argument("--recompute-concurrency", type=int, help="R2 prefill-only calls in flight per engine replica (default 2)")
     p.add_argument("--max-staleness", type=int, metavar="K", help="a pull drops samples holding loss tokens older than current version - K (default: off)")
+    p.add_argument("--max-pause-s", type=float, help="a pause nobody resumes is lifted after this many seconds (default 600): held agent turns never wait longer")
     p.add_argument("--engine-timeout-s", type=float, help="total deadline of one engine call, in seconds (default 600)")
     p.add_argument("--max-inflight", type=int, help="turns in flight before new ones wait (default: 128 per CPU core, 256-4096)")
     p.add_argument("--admission-wait-s", type=float, help="how long a turn beyond --max-inflight waits before 429 (default 2)")
     p.add_argument("--max-request-bytes", type=int, help="largest request body accepted (default 32 MiB)")
+    p.add_argument("--max-header-bytes", type=int, help="largest request line + headers accepted (default 64 KiB; larger: 431)")
+    p.add_argument("--header-timeout-s", type=float, help="time a client has to send its request headers (default 10; then 408)")
     p.add_argument("--reference-model", metavar="DIR", help="model dir for the bundled engine (created if missing)")
     p.add_argument("--reference-script", metavar="FILE")
     p.add_argument("--reference-script-delay-ms", type=int)
@@ -61,9 +68,6 @@ def _is_loopback(host: str) -> bool:
 
 def build(settings: Settings):
     """Engine pool, chat format and (for the embedded default) a function that stops the engine process."""
-    from engines.pool import EnginePool
-    from tokenization import ChatFormat, load_tokenizer, renderer_name_for
-
     engine_proc = None
     urls = list(settings.engine_url)
     tokenizer_path = settings.tokenizer
@@ -73,14 +77,29 @@ def build(settings: Settings):
 
         from engines.reference.launch import start_engine
 
-        model_dir = str(ensure_model(settings.reference_model))
+        # absolute: the engine child runs from the repository root, not from the user's directory
+        model_dir = os.path.abspath(ensure_model(settings.reference_model))
+        script = os.path.abspath(settings.reference_script) if settings.reference_script else None
         url, engine_proc = start_engine(
-            model_dir, script=settings.reference_script, script_delay_s=settings.reference_script_delay_ms / 1000.0,
-            timeout_s=120.0, capture_log=False,
+            model_dir, script=script, script_delay_s=settings.reference_script_delay_ms / 1000.0,
+            timeout_s=120.0, capture_log=False, die_with_parent=True,
         )
         urls = [url]
         tokenizer_path = tokenizer_path or model_dir
         renderer = renderer or "qwen3"  # the bundled model is Qwen3 with the real Qwen3 template
+    try:
+        settings, fmt, pool = _build_proxy(settings, urls, tokenizer_path, renderer)
+    except BaseException:
+        if engine_proc is not None:
+            engine_proc()
+        raise
+    return settings, fmt, pool, engine_proc
+
+
+def _build_proxy(settings: Settings, urls: list[str], tokenizer_path: str | None, renderer: str | None):
+    from engines.pool import EnginePool
+    from tokenization import ChatFormat, load_tokenizer, renderer_name_for
+
     kind = "vllm" if settings.engine == "vllm" else "sglang"
     if not tokenizer_path:
         tokenizer_path = _engine_model_path(kind, urls, settings)
@@ -97,7 +116,7 @@ def build(settings: Settings):
         kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s, routing=settings.routing,
         prefill_concurrency=settings.recompute_concurrency,
     )  # fmt: skip
-    return settings, fmt, pool, engine_proc
+    return settings, fmt, pool
 
 
 def _engine_model_path(kind: str, urls: list[str], settings: Settings) -> str:
@@ -124,10 +143,6 @@ def _engine_model_path(kind: str, urls: list[str], settings: Settings) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .app import create_app
-
     settings = settings_from_args(args)
     if settings.temperature != 1.0 and settings.sampling == "trainable":
         print(
@@ -145,6 +160,40 @@ def serve(args: argparse.Namespace) -> int:
         )
         return 2
     os.makedirs(os.path.dirname(os.path.abspath(settings.store)), exist_ok=True)
+    _exit_on_sigterm()
+    try:
+        return _serve(settings)
+    except KeyboardInterrupt:  # SIGINT / Ctrl-C: everything started has been stopped on the way out
+        return 130
+    except _Terminated:
+        return 143
+
+
+class _Terminated(BaseException):
+    """SIGTERM (Docker, Kubernetes, systemd): unwinds like Ctrl-C, so every ``finally`` runs."""
+
+
+def _exit_on_sigterm() -> None:
+    import signal
+
+    def handler(signum, frame):
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, handler)
+
+
+def _serve(settings: Settings) -> int:
+    """Build, serve, and stop what was started. A SIGTERM or SIGINT while the engine starts, while
+    serving (uvicorn shuts down gracefully, then re-raises the signal) or while shutting down
+    unwinds through the ``finally`` blocks; the engine child also dies with this process if it is
+    killed outright (``die_with_parent``)."""
+    import uvicorn
+
+    from .app import create_app
+    from .http_server import server_options
+
     settings, fmt, pool, engine_proc = build(settings)
     app = create_app(settings, fmt=fmt, pool=pool)
     base = f"http://{settings.host}:{settings.port}"
@@ -163,7 +212,8 @@ def serve(args: argparse.Namespace) -> int:
                 )
 
     try:
-        Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)).run()
+        limits = server_options(settings.max_header_bytes, settings.header_timeout_s)
+        Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False, **limits)).run()
     finally:
         if engine_proc is not None:
             engine_proc()

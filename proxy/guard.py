@@ -4,6 +4,8 @@ line of defence against anything unexpected.
 
 - Body size: ``Content-Length`` above ``max_request_bytes`` is refused up front (413), and the
   bytes actually read are counted too, so a chunked upload without a length cannot exceed it.
+  The rest of an oversized upload is read and discarded (bounded) before the 413 goes out, so
+  the client reads the 413 instead of a connection reset.
 - Admission: at most ``max_inflight`` turns (agent POSTs) run at once; a request beyond that
   waits up to ``admission_wait_s`` for a slot (FIFO), then gets 429 with ``Retry-After``.
   Visible in ``/metrics`` (``splice_admission_*``).
@@ -119,6 +121,8 @@ class Guard:
         try:
             self._check(scope, path)
         except APIError as exc:
+            if isinstance(exc, BodyTooLarge):
+                await _discard_body(receive)  # so the client, still uploading, reads the 413
             return await self._refuse(send, route, exc)
         admitted = False
         if route in TURN_ROUTES and scope["method"] == "POST":
@@ -146,7 +150,7 @@ class Guard:
             if not isinstance(exc, APIError):
                 log.exception("unhandled error on %s %s", scope["method"], path)
             if not started:
-                await _send_error(send_status, exc if isinstance(exc, APIError) else internal_error(exc))
+                await _send_error(send_status, exc if isinstance(exc, APIError) else internal_error(exc), anthropic=route == "messages")
         finally:
             if admitted:
                 self.admission.release()
@@ -175,6 +179,8 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
+                    if message.get("more_body", False):
+                        await _discard_body(receive)  # whoever answers the 413, the client reads it
                     raise BodyTooLarge(
                         413, f"request body is larger than {limit} bytes", code="request_too_large",
                         headers={"Connection": "close"},  # stop reading the rest of the upload
@@ -195,14 +201,40 @@ class Guard:
                 x_api_key = v.decode("latin-1")
             elif k == b"content-length":
                 length = v
-        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token, x_api_key=x_api_key)
+        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token, x_api_key=x_api_key, reward_token=s.reward_token)
         if length is not None and (not length.isdigit() or int(length) > s.max_request_bytes):
             if not length.isdigit():
                 raise APIError(400, "invalid Content-Length header", code="invalid_request")
-            raise APIError(
+            raise BodyTooLarge(
                 413, f"request body is larger than {s.max_request_bytes} bytes", code="request_too_large",
                 headers={"Connection": "close"},
             )  # fmt: skip
+
+
+# An oversized upload is read and thrown away (up to these bounds) before the 413 is sent: a
+# server that answers and closes while the client is still sending makes the client's kernel
+# see a reset, and the client never reads the answer.
+DISCARD_MAX_BYTES = 1 << 30
+DISCARD_MAX_S = 30.0
+
+
+async def _discard_body(receive) -> None:
+    """Read the rest of the request body and drop it, within ``DISCARD_MAX_*``."""
+    seen = 0
+    deadline = time.monotonic() + DISCARD_MAX_S
+    try:
+        while seen <= DISCARD_MAX_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            message = await asyncio.wait_for(receive(), left)
+            if message["type"] != "http.request":
+                return  # the client went away
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
+    except (asyncio.TimeoutError, OSError):
+        return
 
 
 async def _send_error(send, exc: APIError, *, anthropic: bool = False) -> None:

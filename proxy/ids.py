@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from urllib.parse import quote
 
 TURN_ID_LEN = 24
 
@@ -80,3 +81,23 @@ def turn_id_from(any_id: str | None) -> str | None:
     if m is None:
         return None
     return next(g for g in m.groups() if g is not None)
+
+
+# C0 and C1 control characters and DEL: never part of a usable id (a NUL cannot go into an HTTP
+# header, and the others are invisible in logs and listings).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+
+
+def control_character(value: str) -> str | None:
+    """The first control character in ``value`` (as ``\\xNN``), or None."""
+    m = _CONTROL.search(value)
+    return None if m is None else f"\\x{ord(m.group()):02x}"
+
+
+def header_value(client_id: str) -> str:
+    """A client-chosen id as an HTTP header value: as is when it is printable ASCII, else
+    percent-encoded UTF-8 (headers carry only Latin-1, and an id may be any Unicode text)."""
+    if all(" " <= ch <= "~" for ch in client_id):
+        return client_id
+    return quote(client_id, safe=_HEADER_SAFE)

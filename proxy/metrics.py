@@ -25,6 +25,10 @@ class Metrics:
         self.turns = Counter("splice_turns", "Finished turns by api", ["api"], registry=r)
         self.spliced = Counter("splice_spliced_turns", "Turns whose prompt was spliced from verbatim ids", registry=r)
         self.forks = Counter("splice_forks", "Turns rendered in full, by reason", ["reason"], registry=r)
+        self.history_edits = Counter(
+            "splice_history_edits_kept", "Turns that continued the recorded tokens despite a history edit (--history-edits keep), by edit",
+            ["edit"], registry=r,
+        )  # fmt: skip
         self.ambiguous_parents = Counter(
             "splice_ambiguous_parents", "Turns whose history matched several recorded turns (header-less sessions)", registry=r
         )

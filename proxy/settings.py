@@ -27,9 +27,14 @@ class Settings(BaseSettings):
     store: str = "splice_data/splice.sqlite"
     host: str = "127.0.0.1"
     port: int = 8000
-    admin_token: str | None = None
-    api_key: str | None = None
+    admin_token: str | None = None  # the trainer's: pulls, /admin, session listing / reading / rewards
+    api_key: str | None = None  # the agents': Responses, Chat, Messages
+    reward_token: str | None = None  # a grader's: rewards and session listing / reading only
     thinking_retention: Literal["all", "tool_cycle", "template"] = "all"
+    # A replayed history that differs from the recorded turns only in system / developer text or
+    # earlier tool-call arguments: "fork" renders it in full (a new sample), "keep" continues the
+    # recorded tokens and records the edit. A request's X-Splice-History-Edits header overrides it.
+    history_edits: Literal["fork", "keep"] = "fork"
     sampling: Literal["trainable", "honor"] = "trainable"
     # Counting the drift a full re-render would have caused costs a full render per checked turn
     # (off the hot path, but CPU): "sampled" inherits a parent's drift and renders turns 0-7 and
@@ -46,7 +51,10 @@ class Settings(BaseSettings):
     recompute_concurrency: int = Field(default=2, ge=1)
     # A pull never hands out a sample holding loss tokens older than current version - K (None: off).
     max_staleness: int | None = Field(default=None, ge=0)
+    max_pause_s: float = Field(default=600.0, gt=0)  # a pause nobody resumes is lifted after this (held turns go on)
     max_request_bytes: int = 32 * 1024 * 1024
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)  # request line + headers; larger is a 431
+    header_timeout_s: float = Field(default=10.0, gt=0)  # headers not complete this long after a connection / request began: 408
     max_inflight: int = Field(default_factory=lambda: default_max_inflight())  # concurrent turns, then a wait, then 429
     admission_wait_s: float = 2.0  # how long a request beyond max_inflight waits for a slot before 429
     engine_timeout_s: float = 600.0  # total deadline of one engine call (not per read)

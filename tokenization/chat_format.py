@@ -224,9 +224,14 @@ class ChatFormat:
         stop_text: str | None = None,
     ) -> ParsedOutput:
         """``stop_text``: the stop string the engine matched; the text ends before it (as OpenAI's
-        does) while the recorded ids keep everything that was sampled."""
+        does) while the recorded ids keep everything that was sampled.
+
+        ``tools``: the tools the request offered; a call naming any other tool (any call when
+        the list is empty) comes back as text, flagged ``undeclared_tool``. None: not checked.
+        """
         tail = prompt_ids[-64:] if prompt_ids else None  # the parser reads only the assistant header
+        declared = None if tools is None else frozenset(t.name for t in tools)
         return parse_output(
             self.renderer, output_ids, prompt_ids=tail, tools=to_renderer_tools(tools), finish_reason=finish_reason,
-            stop_text=stop_text,
+            stop_text=stop_text, declared=declared,
         )

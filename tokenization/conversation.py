@@ -42,11 +42,30 @@ class Message:
 
 @dataclass(frozen=True)
 class Tool:
-    """A function tool definition (OpenAI's flat shape)."""
+    """A function tool definition (OpenAI's flat shape).
+
+    ``spec``: the function object as the client sent it (every field, in its order: ``strict``
+    and whatever else a client adds; the name as the model is offered it), which is what the
+    chat template renders, as inference servers' own chat endpoints do. None: built from
+    ``name``, ``description`` and ``parameters``.
+    """
 
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    spec: dict[str, Any] | None = field(default=None, hash=False, compare=True)
+
+    def template_spec(self) -> dict[str, Any]:
+        """The function object the chat template sees."""
+        if self.spec is not None:
+            return self.spec
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+    def extra_fields(self) -> dict[str, Any]:
+        """Fields the client sent beyond name, description and parameters (``strict``, ...)."""
+        if self.spec is None:
+            return {}
+        return {k: v for k, v in self.spec.items() if k not in ("name", "description", "parameters")}
 
 
 def to_renderer_message(msg: Message, *, keep_developer: bool = False) -> dict[str, Any]:
@@ -92,26 +111,46 @@ def to_renderer_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[
 
 
 def to_template_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[str, Any]] | None:
-    """Tools in OpenAI's nested Chat Completions shape, field for field, as templates expect them:
-    ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+    """Tools in OpenAI's nested Chat Completions shape, field for field as the client sent them,
+    as templates expect them: ``{"type": "function", "function": {"name", "description", ...}}``."""
     if not tools:
         return None
-    return [
-        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-        for t in tools
-    ]
+    return [{"type": "function", "function": t.template_spec()} for t in tools]
 
 
-def _canonical_message(msg: Message) -> list[Any]:
+def _canonical_message(msg: Message, *, system_text: bool = True, arguments: bool = True) -> list[Any]:
     """What identifies a message for session matching.
 
     Tool-call arguments compare as JSON values (spacing and key order do not matter); ids and
     reasoning are left out (clients rename call ids and most Chat clients drop reasoning).
-    ``developer`` and ``system`` are the same role to the template.
+    ``developer`` and ``system`` are the same role to the template. ``system_text=False`` /
+    ``arguments=False``: the edit-tolerant forms (``HistoryHash(edits=True)``) leave out the
+    system / developer text, or the tool-call arguments (the names and count still count).
     """
     role = "system" if msg.role == "developer" else msg.role
-    calls = [[tc.name, tc.arguments_value()] for tc in msg.tool_calls]
-    return [role, msg.content.strip() if role == "assistant" else msg.content, calls]
+    calls = [[tc.name, tc.arguments_value()] if arguments else [tc.name] for tc in msg.tool_calls]
+    content = msg.content.strip() if role == "assistant" else msg.content
+    if role == "system" and not system_text:
+        content = ""
+    return [role, content, calls]
+
+
+# The edits a harness makes to a history it replays that ``--history-edits keep`` tolerates, as
+# (name, what the canonical form leaves out); the first that matches names the edit.
+EDIT_FORMS: tuple[tuple[tuple[str, ...], dict[str, bool]], ...] = (
+    (("system_text",), {"system_text": False}),
+    (("tool_arguments",), {"arguments": False}),
+    (("system_text", "tool_arguments"), {"system_text": False, "arguments": False}),
+)
+
+
+def _dump(canon: list[Any]) -> bytes:
+    import orjson
+
+    try:
+        return orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # e.g. integers wider than 64 bits in tool arguments
+        return json.dumps(canon, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class HistoryHash:
@@ -119,31 +158,46 @@ class HistoryHash:
 
     The session layer hashes a request's history once, then continues the same hash with the
     new messages and the returned answer, instead of hashing the whole history twice.
+    ``edits=True`` also keeps the edit-tolerant hashes (``EDIT_FORMS``), read with
+    ``edit_hexdigests``.
     """
 
-    def __init__(self, _h=None):
+    def __init__(self, _h=None, *, edits: bool = False, _edit_hs=None):
         import hashlib
 
         self._h = _h or hashlib.blake2b(digest_size=16)
+        if _edit_hs is not None:
+            self._edit_hs = _edit_hs
+        elif edits:
+            self._edit_hs = [hashlib.blake2b(digest_size=16) for _ in EDIT_FORMS]
+        else:
+            self._edit_hs = None
+
+    @property
+    def edits(self) -> bool:
+        return self._edit_hs is not None
 
     def extend(self, messages) -> "HistoryHash":
-        import orjson
-
         for m in messages:
-            canon = _canonical_message(m)
-            try:
-                data = orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)
-            except TypeError:  # e.g. integers wider than 64 bits in tool arguments
-                data = json.dumps(canon, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
-            self._h.update(data)
+            self._h.update(_dump(_canonical_message(m)))
             self._h.update(b"\x1e")
+            if self._edit_hs is not None:
+                for h, (_, form) in zip(self._edit_hs, EDIT_FORMS):
+                    h.update(_dump(_canonical_message(m, **form)))
+                    h.update(b"\x1e")
         return self
 
     def copy(self) -> "HistoryHash":
-        return HistoryHash(self._h.copy())
+        return HistoryHash(self._h.copy(), _edit_hs=None if self._edit_hs is None else [h.copy() for h in self._edit_hs])
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
+
+    def edit_hexdigests(self) -> list[tuple[tuple[str, ...], str]]:
+        """``(edits, digest)`` per edit-tolerant form; empty unless built with ``edits=True``."""
+        if self._edit_hs is None:
+            return []
+        return [(names, h.hexdigest()) for h, (names, _) in zip(self._edit_hs, EDIT_FORMS)]
 
 
 def fingerprint(messages: list[Message] | tuple[Message, ...]) -> str:
@@ -154,5 +208,11 @@ def fingerprint(messages: list[Message] | tuple[Message, ...]) -> str:
 def tools_fingerprint(tools: list[Tool] | tuple[Tool, ...] | None) -> str:
     import hashlib
 
-    data = [[t.name, t.description, t.parameters] for t in (tools or [])]
+    data = []
+    for t in tools or []:
+        row: list[Any] = [t.name, t.description, t.parameters]
+        sent = list(t.template_spec().items())
+        if sent != [("name", t.name), ("description", t.description), ("parameters", t.parameters)]:
+            row.append(sent)  # only then: tools sent in the plain shape keep the fingerprint they had
+        data.append(row)
     return hashlib.blake2b(json.dumps(data, sort_keys=True).encode(), digest_size=8).hexdigest()

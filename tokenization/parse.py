@@ -2,7 +2,9 @@
 
 Splice's rules on top of the renderer's parser: every tool-call attempt is kept in order; a
 malformed one is returned as text and flagged, never repaired; good calls beside it survive;
-output cut by the length limit is reported as truncated.
+a call of a tool the request did not declare (any call when it declared none) is returned as
+text and flagged the same way (status ``undeclared_tool``): no client could run it; output cut
+by the length limit is reported as truncated.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import json
 from dataclasses import dataclass
 
 from renderers import ToolCallParseStatus
+
+
+UNDECLARED = "undeclared_tool"  # MalformedCall.status of a call naming a tool the request did not offer
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,13 @@ def parse_output(
     tools: list[dict] | None = None,
     finish_reason: str = "stop",
     stop_text: str | None = None,
+    declared: frozenset[str] | None = None,
 ) -> ParsedOutput:
     """Parse one turn's sampled ids. Malformed calls are appended to ``content`` as their raw text.
 
     ``stop_text`` (a matched stop string) and whatever follows it are cut from the content.
+    ``declared``: the tool names the request offered; a call of any other name is malformed
+    (``undeclared_tool``). None: names are not checked.
     """
     parsed = renderer.parse_response(list(output_ids), tools=tools, prompt_ids=prompt_ids)
     calls: list[ParsedCall] = []
@@ -60,7 +68,9 @@ def parse_output(
     if stop_text and stop_text in content:
         content = content[: content.index(stop_text)]
     for tc in parsed.tool_calls:
-        if tc.status == ToolCallParseStatus.OK and tc.name:
+        if tc.status == ToolCallParseStatus.OK and tc.name and declared is not None and tc.name not in declared:
+            bad.append(MalformedCall(raw=tc.raw, status=UNDECLARED))
+        elif tc.status == ToolCallParseStatus.OK and tc.name:
             args = tc.arguments
             if isinstance(args, str):
                 args_text = args

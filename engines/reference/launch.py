@@ -7,6 +7,7 @@ has its own event loop and GIL exactly as in production, and waits for ``/health
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -60,6 +61,7 @@ def start_engine(
     env: dict[str, str] | None = None,
     timeout_s: float = 90.0,
     capture_log: bool = True,
+    die_with_parent: bool = False,
 ) -> tuple[str, Callable[[], None]]:
     """Run ``python -m engines.reference`` on a free loopback port; wait for /health.
 
@@ -67,6 +69,11 @@ def start_engine(
     may be a file path or a list of assistant texts (written to a temp file). On a failed
     start the engine's log is in the exception message. ``capture_log=False`` lets the engine
     write to this process's stdout/stderr (``splice serve``), so there is no log to quote.
+
+    ``die_with_parent`` (Linux): the kernel sends the engine SIGTERM when the thread that
+    started it ends, however that happens (``kill -9`` included), so a proxy never leaves its
+    engine behind. Only for a caller whose starting thread lives as long as the engine should
+    (``splice serve``'s main thread).
     """
     tmp = Path(tempfile.mkdtemp(prefix="splice-engine-"))
     args = [sys.executable, "-m", "engines.reference", "--model", str(model_dir), "--host", "127.0.0.1"]
@@ -93,10 +100,18 @@ def start_engine(
         log_path = tmp / f"engine-{chosen}.log"
         log_file = open(log_path, "wb")
         out = log_file if capture_log else None
-        proc = subprocess.Popen(args + ["--port", str(chosen)], cwd=str(REPO_ROOT), env=full_env, stdout=out, stderr=subprocess.STDOUT if capture_log else None)
+        proc = subprocess.Popen(
+            args + ["--port", str(chosen)], cwd=str(REPO_ROOT), env=full_env, stdout=out,
+            stderr=subprocess.STDOUT if capture_log else None, preexec_fn=functools.partial(_die_with_parent, os.getpid()) if die_with_parent else None,
+        )  # fmt: skip
         try:
             wait_healthy(url, timeout_s, alive=lambda: proc.poll() is None)
-        except (RuntimeError, TimeoutError) as e:
+        except BaseException as e:  # a signal or Ctrl-C while waiting: the child goes too
+            if not isinstance(e, (RuntimeError, TimeoutError)):
+                _terminate(proc)
+                log_file.close()
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             _terminate(proc)
             log_file.close()
             log = log_path.read_text(errors="replace")[-4000:]
@@ -118,6 +133,20 @@ def start_engine(
         return url, stop
     shutil.rmtree(tmp, ignore_errors=True)
     raise last_error  # type: ignore[misc]
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child before exec: ask Linux for SIGTERM when the parent (thread) dies."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's own handlers still stop it
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def _terminate(proc: subprocess.Popen) -> None:

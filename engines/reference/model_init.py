@@ -30,6 +30,13 @@ QWEN3_VOCAB_SIZE = 151936
 IM_END_ID = 151645  # <|im_end|>: end of an assistant turn
 ENDOFTEXT_ID = 151643  # <|endoftext|>
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+# The bundled model's context: Codex's first prompt is ~8k tokens and Claude Code's 11-21k, and
+# their sessions grow from there. Positions cost the tiny model nothing (rotary, no table).
+DEFAULT_MAX_POSITIONS = 131072
+# What the bundled default model is; part of its cache folder's name, so a model cached by an
+# older release (other heads, an 8k context) is never silently reused.
+BUNDLED_MODEL = {"head_dim": 64, "hidden_size": 64, "num_hidden_layers": 2, "max_position_embeddings": DEFAULT_MAX_POSITIONS}
+BUNDLED_MODEL_NAME = "tiny-qwen3-hd64-ctx128k-seed0"
 
 
 def tokenizer_files_dir() -> Path:
@@ -56,7 +63,7 @@ def init_model(
     num_kv_heads: int = 2,
     head_dim: int = 64,
     intermediate_size: int = 128,
-    max_position_embeddings: int = 8192,
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
     initializer_range: float = 0.3,
 ) -> Path:
     """Write a random Qwen3ForCausalLM (float32 safetensors) plus the Qwen3 tokenizer to ``out_dir``.
@@ -135,17 +142,35 @@ def perturb_model(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, see
 def default_model_dir() -> Path:
     """Where the embedded default tiny model lives (``$SPLICE_HOME`` or ``~/.cache/splice``)."""
     home = os.environ.get("SPLICE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "splice")
-    return Path(home) / "models" / "tiny-qwen3-hd64-seed0"
+    return Path(home) / "models" / BUNDLED_MODEL_NAME
+
+
+def _is_bundled_model(path: Path) -> bool:
+    """Whether ``path`` holds the bundled model as this release defines it (config and weights)."""
+    if not ((path / "config.json").is_file() and any(path.glob("*.safetensors"))):
+        return False
+    try:
+        cfg = read_config(path)
+    except (OSError, ValueError):
+        return False
+    return all(cfg.get(k) == v for k, v in BUNDLED_MODEL.items())
 
 
 def ensure_model(path: str | os.PathLike | None = None, *, seed: int = 0) -> Path:
     """Return ``path`` (default: ``default_model_dir()``), creating the tiny model there if missing.
 
     Written to a temporary sibling and renamed, so a crash never leaves a half-written model.
+    The default folder is also checked against ``BUNDLED_MODEL``: a stale or hand-edited cache
+    there is rebuilt rather than served with the wrong context. A ``path`` given by the user is
+    theirs: an existing model there is used as it is.
     """
     target = Path(path) if path is not None else default_model_dir()
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
-        return target
+        if path is not None or _is_bundled_model(target):
+            return target
+        stale = target.with_name(f"{target.name}.stale-{os.getpid()}")
+        os.replace(target, stale)
+        shutil.rmtree(stale, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
@@ -270,7 +295,7 @@ def warm_start(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``init-model DIR [--seed N] [--hidden-size N] [--layers N] [--head-dim N] [--warm-start FILE] [--perturb-from DIR]``."""
+    """CLI: ``init-model DIR [--seed N] [--hidden-size N] [--layers N] [--head-dim N] [--max-position-embeddings N] [--warm-start FILE] [--perturb-from DIR]``."""
     p = argparse.ArgumentParser(prog="init-model", description="write a tiny random Qwen3 model with the real Qwen3 tokenizer")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
@@ -279,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
     p.add_argument("--head-dim", type=int, default=64, help="per-head width (vLLM's CPU attention needs 64 or more)")
+    p.add_argument("--max-position-embeddings", type=int, default=DEFAULT_MAX_POSITIONS, metavar="N",
+                   help=f"context length in tokens (default {DEFAULT_MAX_POSITIONS}; costs a tiny model nothing)")
     p.add_argument("--initializer-range", type=float, default=0.3,
                    help="std of the random weights (large: peaked next-token distributions)")
     p.add_argument("--warm-start", metavar="FILE",
@@ -290,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--perturb-from", metavar="DIR", help="instead, write a perturbed copy of DIR (noise seeded by --seed)")
     p.add_argument("--scale", type=float, default=0.05, help="noise scale for --perturb-from")
     a = p.parse_args(argv)
+    if a.max_position_embeddings < 16:
+        p.error("--max-position-embeddings must be at least 16")
     if a.head_dim < 1 or a.heads < 1 or a.kv_heads < 1 or a.heads % a.kv_heads:
         p.error("--head-dim, --heads and --kv-heads must be positive, --heads a multiple of --kv-heads")
     if a.perturb_from:
@@ -298,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         out = init_model(
             a.dir, seed=a.seed, hidden_size=a.hidden_size, num_layers=a.layers, num_heads=a.heads,
             num_kv_heads=a.kv_heads, head_dim=a.head_dim, initializer_range=a.initializer_range,
+            max_position_embeddings=a.max_position_embeddings,
         )
         if a.warm_start:
             pairs = read_warm_start(a.warm_start)

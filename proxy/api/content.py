@@ -170,7 +170,7 @@ def offer_tools(tools: list[dict[str, Any]] | None, *, hosted_ok: bool = True, f
             ts.not_offered.append(hosted)
             if hosted not in _logged_hosted and len(_logged_hosted) < 256:
                 _logged_hosted.add(hosted)
-                log.info("hosted tool %r is not offered to the model (Splice cannot run it); reported in the splice block", hosted)
+                log.warning("hosted tool %r is not offered to the model (Splice cannot run it); reported in the splice block", hosted)
             continue
         spec = t.get("function") if isinstance(t.get("function"), dict) else t  # tolerate the Chat shape
         if typ == "custom" and isinstance(t.get("custom"), dict):
@@ -206,9 +206,30 @@ def offer_tools(tools: list[dict[str, Any]] | None, *, hosted_ok: bool = True, f
             )
         if namespace is not None:
             ts.namespaces[visible] = (namespace, name)
-        ts.tools.append(Tool(name=visible, description=desc or "", parameters=params or {}))
+        sent = None if typ == "custom" else _function_as_sent(spec, visible)
+        ts.tools.append(Tool(name=visible, description=desc or "", parameters=params or {}, spec=sent))
     ts.custom = frozenset(custom)
     return ts
+
+
+# Request annotations on a tool, not part of its definition: never shown to the model.
+_NOT_DEFINITION = frozenset({"type", "cache_control"})
+
+
+def _function_as_sent(spec: dict[str, Any], visible: str) -> dict[str, Any]:
+    """The function object the chat template renders: every field the client sent, in its order
+    (``strict: false`` included, as SGLang's and vLLM's chat endpoints pass it), Anthropic's
+    ``input_schema`` under OpenAI's name ``parameters``, the name as the model is offered it."""
+    out: dict[str, Any] = {}
+    for k, v in spec.items():
+        if k in _NOT_DEFINITION:
+            continue
+        if k == "input_schema":
+            if "parameters" in spec:
+                continue
+            k = "parameters"
+        out[k] = visible if k == "name" else v
+    return out
 
 
 def convert_tools(tools: list[dict[str, Any]] | None) -> tuple[list[Tool], list[dict[str, Any]]]:

@@ -13,7 +13,7 @@ import orjson
 from tokenization import ChatFormat
 
 from ..errors import bad_request
-from ..ids import new_turn_id, turn_id_from
+from ..ids import control_character, new_turn_id, turn_id_from
 from ..session.turn import TurnRequest
 
 
@@ -79,7 +79,16 @@ def session_fields(headers, metadata: dict[str, Any] | None, fallback: str | Non
             raise bad_request(f"{name} is longer than 256 characters", code="invalid_value", param=name)
     if sid in (None, "") and fallback:
         sid = fallback
+    for name, v in (("session_id", sid), ("group_id", gid)):
+        check_id(name, v)
     return (str(sid) if sid not in (None, "") else None, str(gid) if gid not in (None, "") else None, size)
+
+
+def check_id(name: str, value: Any) -> None:
+    """400 for an id holding a control character (a NUL, a newline, ...): it could never be
+    sent back in a header, read in a log or typed into a URL."""
+    if isinstance(value, str) and (bad := control_character(value)) is not None:
+        raise bad_request(f"{name} contains the control character {bad}; ids must be printable text", code="invalid_value", param=name)
 
 
 def parent_hint(candidates: list[str]) -> str | None:
@@ -101,6 +110,11 @@ def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[
     """
     meta = req.metadata if metadata is None else metadata
     session_id, group_id, group_size = session_fields(headers, meta, client_session(headers, meta))
+    policy = headers.get("x-splice-history-edits") if headers is not None else None
+    if policy is not None:
+        policy = policy.strip().lower()
+        if policy not in ("fork", "keep"):
+            raise bad_request(f"X-Splice-History-Edits must be 'fork' or 'keep', got {policy!r}", code="invalid_value", param="X-Splice-History-Edits")
     return TurnRequest(
         api=api,
         messages=messages,
@@ -120,6 +134,7 @@ def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[
         present=present,
         tools_not_offered=list(not_offered or ()),
         controls_not_enforced={k: v for k, v in (controls or {}).items() if v is not None},
+        history_edits_policy=policy,
     )
 
 

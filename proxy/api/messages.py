@@ -56,7 +56,8 @@ _STATUS = {503: 529, 502: 500}
 def anthropic_error(status: int, message: str) -> tuple[int, dict[str, Any]]:
     """``(status, body)`` of an error in Anthropic's shape."""
     status = _STATUS.get(status, status)
-    return status, {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+    default = "invalid_request_error" if 400 <= status < 500 else "api_error"  # e.g. 405, 408, 431
+    return status, {"type": "error", "error": {"type": _ERROR_TYPES.get(status, default), "message": message}}
 
 
 def error_response(exc: APIError) -> JSONResponse:

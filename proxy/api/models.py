@@ -143,10 +143,13 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+MAX_ABS_REWARD = 1e6  # the trainer squares rewards (group std): 1e200 overflows a float
+
+
 class RewardBody(_Body):
     # A JSON number only (strict: "1.5" and true are refused); NaN or inf would poison every
-    # advantage in its group.
-    reward: float = Field(allow_inf_nan=False, strict=True)
+    # advantage in its group, and so would a finite reward too large to square.
+    reward: float = Field(allow_inf_nan=False, strict=True, ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD)
 
 
 class PullBody(_Body):

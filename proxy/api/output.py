@@ -8,6 +8,7 @@ from typing import Any
 
 from tokenization import ChatFormat
 
+from ..ids import header_value
 from ..session.turn import TurnRequest, TurnResult
 
 
@@ -59,9 +60,10 @@ def splice_info(result: TurnResult, req: TurnRequest | None = None) -> dict[str,
         "malformed_tool_calls": len(result.parsed.malformed_calls),
         "tools_not_offered": sorted(set(req.tools_not_offered)) if req is not None else [],
         "controls_not_enforced": sorted(req.controls_not_enforced) if req is not None else [],
+        "history_edits": list(req.history_edits) if req is not None else [],  # continued under --history-edits keep
     }
 
 
 def splice_headers(result: TurnResult) -> dict[str, str]:
     """``X-Splice-Session-Id`` / ``X-Splice-Turn-Id``: where a header-less client's turn landed."""
-    return {"X-Splice-Session-Id": result.session_id, "X-Splice-Turn-Id": result.turn_id}
+    return {"X-Splice-Session-Id": header_value(result.session_id), "X-Splice-Turn-Id": result.turn_id}

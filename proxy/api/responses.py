@@ -25,7 +25,7 @@ from ..errors import APIError, bad_request, not_found
 from ..ids import call_id, custom_call_item_id, function_call_item_id, message_id, reasoning_id, response_id, turn_id_from
 from ..session import Presentation, TurnResult, TurnRunner, returned_message
 from .content import ToolSet, check_tool_choice, custom_arguments, custom_input, name_tool_messages, offer_tools, text_of, tool_choice_control
-from .context import DialectContext, turn_request
+from .context import DialectContext, check_id, turn_request
 from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .models import ResponsesRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
@@ -273,6 +273,7 @@ def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: Resp
     prev: list[Message] = []
     hints: list[str] = []
     if req.previous_response_id:
+        check_id("previous_response_id", req.previous_response_id)
         prev = load_previous(store, req.previous_response_id)
         hints.append(req.previous_response_id)
     hints.extend(ids)

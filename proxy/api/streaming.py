@@ -25,6 +25,7 @@ from engines.http import check_token_ids
 from engines.types import EngineError
 
 from ..errors import APIError, from_engine_error, internal_error
+from ..ids import header_value
 from ..session.turn import TurnRequest, TurnResult
 from .jsonio import dumps
 
@@ -243,7 +244,7 @@ class TurnStream:
         """Where the turn landed; known once it started (the session layer planned it)."""
         out = {"X-Splice-Turn-Id": self.req.turn_id}
         if self.req.session_resolved:
-            out["X-Splice-Session-Id"] = self.req.session_resolved
+            out["X-Splice-Session-Id"] = header_value(self.req.session_resolved)
         return out
 
     def cancel(self) -> None:

@@ -49,7 +49,7 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
             raise APIError(400, "cursor is not one this proxy issued", code="invalid_value", param="cursor") from None
         return JSONResponse({"object": "list", "data": page.sessions, "has_more": page.next_cursor is not None, "next_cursor": page.next_cursor})
 
-    @r.get("/v1/sessions/{session_id}")
+    @r.get("/v1/sessions/{session_id:path}")  # ids may hold "/" (sent as %2F or as is)
     async def get_session(session_id: str):
         session = store.sessions.get(session_id)
         if session is None:
@@ -71,7 +71,7 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
         )
         return JSONResponse(body)
 
-    @r.post("/v1/sessions/{session_id}/reward", openapi_extra=body_schema(RewardBody))
+    @r.post("/v1/sessions/{session_id:path}/reward", openapi_extra=body_schema(RewardBody))
     async def reward(session_id: str, request: Request):
         body = await read_model(request, RewardBody)
         try:

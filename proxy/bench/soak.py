@@ -3,7 +3,8 @@
 ``splice serve`` runs as its own process in front of the zero-latency engine stand-in
 (``standin.py``). This process drives it in rounds: each round runs ``--sessions`` multi-turn
 tool-using Chat sessions (``--turns`` turns each, ``--concurrency`` at a time, every request
-carrying the whole history), rewards every session, and meanwhile a trainer loop pulls and acks
+carrying the whole history; ``--api responses``: Responses API sessions chained by
+``previous_response_id``, so every turn expands a stored conversation), rewards every session, and meanwhile a trainer loop pulls and acks
 samples and a publisher runs the weight-update protocol (pause, update_weights, resume) every
 ``--update-every-s`` seconds. Per round it prints turns/s, p50/p99 latency, errors and the
 proxy's resident memory (RSS); the first round is the warm-up (imports, caches filling).
@@ -36,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", "-c", type=int, default=32)
     p.add_argument("--update-every-s", type=float, default=2.0, help="seconds between weight updates (0: none)")
     p.add_argument("--pull-every-s", type=float, default=1.0, help="seconds between trainer pulls")
+    p.add_argument("--api", choices=["chat", "responses"], default="chat",
+                   help="chat: every request carries the whole history; responses: Responses API sessions chained "
+                        "by previous_response_id (the stored-conversation path)")
     p.add_argument("--out")
 
 
@@ -66,6 +70,8 @@ class Driver:
         return await asyncio.wait_for(conn.post(path, orjson.dumps(body), headers or {}), 60)
 
     async def session(self, conn: Conn, name: str, lat: list[float], errors: list[str]) -> None:
+        if self.args.api == "responses":
+            return await self.responses_session(conn, name, lat, errors)
         msgs: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
         headers = {"X-Session-Id": name}
         for t in range(self.args.turns):
@@ -82,6 +88,30 @@ class Driver:
                 errors.append("no tool call in the reply")
                 return
             msgs.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": json.dumps({"step": t, "ok": True})})
+        status, data = await self._post(conn, f"/v1/sessions/{name}/reward", {"reward": float(hash(name) % 3) - 1.0})
+        if status != 200:
+            errors.append(f"reward {status}: {data[:160]!r}")
+
+    async def responses_session(self, conn: Conn, name: str, lat: list[float], errors: list[str]) -> None:
+        """A Responses API tool loop: each turn sends only the tool's output and the previous
+        response's id, so the proxy expands the stored conversation every turn."""
+        headers = {"X-Session-Id": name}
+        tool = {"type": "function", **TOOL}
+        body: dict = {"instructions": SYSTEM, "input": USER, "tools": [tool], "max_output_tokens": 256}
+        for t in range(self.args.turns):
+            t0 = time.perf_counter()
+            status, data = await self._post(conn, "/v1/responses", body, headers)
+            if status != 200:
+                errors.append(f"{status}: {data[:160]!r}")
+                return
+            lat.append(time.perf_counter() - t0)
+            resp = orjson.loads(data)
+            calls = [o for o in resp["output"] if o["type"] == "function_call"]
+            if not calls:
+                errors.append("no tool call in the reply")
+                return
+            out = {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": json.dumps({"step": t, "ok": True})}
+            body = {"instructions": SYSTEM, "previous_response_id": resp["id"], "input": [out], "tools": [tool], "max_output_tokens": 256}
         status, data = await self._post(conn, f"/v1/sessions/{name}/reward", {"reward": float(hash(name) % 3) - 1.0})
         if status != 200:
             errors.append(f"reward {status}: {data[:160]!r}")
@@ -203,7 +233,7 @@ def run(args) -> dict:
         total_turns = sum(r["turns"] for r in measured)
         total_wall = sum(r["wall_s"] for r in measured)
         summary = {
-            "sessions_per_round": args.sessions, "turns_per_session": args.turns, "concurrency": args.concurrency,
+            "api": args.api, "sessions_per_round": args.sessions, "turns_per_session": args.turns, "concurrency": args.concurrency,
             "rounds": args.rounds, "turns": total_turns, "turns_per_s": total_turns / total_wall if total_wall else 0.0,
             "p50_ms": statistics.median(r["p50_ms"] for r in measured), "p99_ms": max(r["p99_ms"] for r in measured),
             "errors": sum(r["errors"] for r in rows), "admin_errors": driver.admin_errors[:5], "weight_updates": driver.updates,

@@ -12,6 +12,13 @@ fork with a reason:
   chat-template arguments the turn was rendered with differ;
 - whatever the bridge refused for (``thinking_stripped``, ...).
 
+With the ``keep`` history-edits policy (``splice serve --history-edits keep`` or the request's
+``X-Splice-History-Edits: keep``), a history that differs from a recorded turn's only in system /
+developer text or in earlier tool-call arguments (reasoning never counts) continues that turn's
+recorded tokens instead: the engine sees what was recorded, and the plan names the edits
+(``history_edits``) so they are recorded with the turn and counted. Any other difference still
+forks. Committed turns of such requests are also found by edit-tolerant fingerprints.
+
 A header-less request is matched by fingerprints of its history. Several recorded turns can
 match (the sessions of a GRPO group that sampled the same answer): a turn nobody continues yet
 is preferred (each continuation claims a distinct parent), then the most recent; only when
@@ -71,6 +78,7 @@ class Plan:
     hashed: int = 0
     bridge_s: float = 0.0
     render_s: float = 0.0
+    history_edits: tuple[str, ...] = ()  # edits continued under the ``keep`` policy (system_text, tool_arguments)
 
 
 def fingerprint_keys(hashed: HistoryHash, req: TurnRequest) -> tuple[str, str, str]:
@@ -87,11 +95,23 @@ def digest(key: str, session_id: str | None = None) -> bytes:
     return hashlib.blake2b(scoped.encode(), digest_size=12).digest()
 
 
+def edit_keys(hashed: HistoryHash, req: TurnRequest) -> list[tuple[tuple[str, ...], str]]:
+    """Edit-tolerant fingerprints (``keep`` policy): tools and template kwargs must still match."""
+    tools = tools_fingerprint(req.tools)
+    kwargs = repr(sorted((req.chat_template_kwargs or {}).items()))
+    return [(names, f"e:{'+'.join(names)}:{tools}:{kwargs}:{h}") for names, h in hashed.edit_hexdigests()]
+
+
 def answer_fingerprints(hashed: HistoryHash, req: TurnRequest, answer: Message, session_id: str) -> list[bytes]:
-    """What a committed turn is found by: the history it was asked with plus its answer."""
+    """What a committed turn is found by: the history it was asked with plus its answer (and,
+    for a request under the ``keep`` policy, its edit-tolerant forms)."""
     full = hashed.copy().extend([answer])
-    keys = fingerprint_keys(full, req)
+    keys = list(fingerprint_keys(full, req)) + [k for _, k in edit_keys(full, req)]
     return [*(digest(k) for k in keys), *(digest(k, session_id) for k in keys)]
+
+
+def keeps_edits(req: TurnRequest) -> bool:
+    return req.history_edits_policy == "keep"
 
 
 def new_session_id() -> str:
@@ -105,7 +125,7 @@ class RenderError(Exception):
 def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat) -> Plan:
     """Splice onto the recorded turn the request continues, or render in full (see module doc)."""
     last_asst = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=-1)
-    hh = HistoryHash().extend(req.messages[: last_asst + 1])
+    hh = HistoryHash(edits=keeps_edits(req)).extend(req.messages[: last_asst + 1])
     p = _plan(req, lookup, fmt, last_asst, hh)
     p.history_hash, p.hashed = hh, last_asst + 1
     return p
@@ -145,6 +165,13 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
     if last_asst < 0:  # a first turn (or a fresh attempt in an explicit session)
         return fork(explicit, None, None)
     found, reason, ambiguous = _find(fingerprint_keys(hh, req), req, lookup)
+    edits: tuple[str, ...] = ()
+    if found is None and hh.edits:
+        for names, key in edit_keys(hh, req):
+            found, ambiguous = _choose(lookup.candidates(digest(key, req.session_id)), lookup, req.parent_hint)
+            if found is not None:
+                reason, edits = None, names
+                break
     if found is None:
         hinted = lookup.session_of(req.parent_hint) if req.parent_hint else None
         if hinted is not None:
@@ -168,7 +195,7 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
     if not res.ok:
         return fork(session_id, found.turn_id, res.reason, ambiguous=ambiguous, bridge_s=bridge_s)
     return Plan(session_id, prev_prompt + prev_output + res.ids, found.turn_id, True, None, ambiguous=ambiguous,
-                bridge_s=bridge_s)  # fmt: skip
+                bridge_s=bridge_s, history_edits=edits)  # fmt: skip
 
 
 def _render(fmt: ChatFormat, req: TurnRequest) -> list[int]:

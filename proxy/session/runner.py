@@ -92,8 +92,10 @@ class TurnRunner:
     """One per proxy process."""
 
     def __init__(self, fmt: ChatFormat, pool, store: Store, metrics: Metrics, *, sampling: SamplingPolicy,
-                 drift: DriftChecker, model_name: str, recompute: RecomputeScheduler | None = None):  # fmt: skip
+                 drift: DriftChecker, model_name: str, recompute: RecomputeScheduler | None = None,
+                 history_edits: str = "fork"):  # fmt: skip
         self.fmt = fmt
+        self.history_edits = history_edits  # the server's policy; a request's X-Splice-History-Edits overrides it
         self.pool = pool
         self.store = store
         self.metrics = metrics
@@ -117,6 +119,8 @@ class TurnRunner:
         return lock
 
     def _plan(self, req: TurnRequest) -> Plan:
+        if req.history_edits_policy is None:
+            req.history_edits_policy = self.history_edits
         try:
             p = plan(req, self.lookup, self.fmt)
         except RenderError as exc:
@@ -142,6 +146,7 @@ class TurnRunner:
         else:
             p = self._plan(req)
         req.session_resolved = p.session_id
+        req.history_edits = p.history_edits
         session = None if p.new_session else self.store.sessions.get(p.session_id)  # read once per turn
         if session is not None and session.closed:
             raise APIError(409, f"session {p.session_id} already has a reward and is closed", code="session_closed")
@@ -308,6 +313,8 @@ class TurnRunner:
             m.spliced.inc()
         elif p.fork_reason:
             m.forks.labels(p.fork_reason).inc()
+        for edit in p.history_edits:
+            m.history_edits.labels(edit).inc()
         if gen.aborts:
             m.aborts.inc(gen.aborts)
             m.resumes.inc(max(0, gen.segments - 1))

@@ -80,4 +80,4 @@ class SamplingPolicy:
             "trainable": self.mode == "trainable",
             "tools_not_offered": list(req.tools_not_offered),
             "controls_not_enforced": dict(req.controls_not_enforced),
-        }
+        } | ({"history_edits": list(req.history_edits)} if req.history_edits else {})

@@ -53,6 +53,8 @@ class TurnRequest:
     controls_not_enforced: dict[str, Any] = field(default_factory=dict)  # recorded with the turn, reported, not enforced
     present: Callable[["TurnResult"], Presentation] | None = None
     session_resolved: str | None = None  # set by the session layer once the turn is planned
+    history_edits_policy: Literal["fork", "keep"] | None = None  # X-Splice-History-Edits; None: the server's
+    history_edits: tuple[str, ...] = ()  # set by the session layer: edits continued under "keep"
 
 
 @dataclass

@@ -11,11 +11,16 @@ from typing import Callable
 
 from .db import Database
 from .errors import Conflict
-from .lru import LRU
+from .lru import LRU, memory_of
 from .packing import common_bytes
 
 _MAX_CONV_DEPTH = 16  # a stored conversation is rebuilt from at most this many deltas
 _MIN_SHARED_BYTES = 64
+# Decoded conversations kept in memory, counted by what they really hold (object and entry, not
+# JSON length). A session's newest conversation contains its earlier ones, so storing a response
+# drops its base from the cache: about one conversation per recent session is held, and an
+# older one is rebuilt from its deltas (at most ``_MAX_CONV_DEPTH``) when asked for.
+CONVERSATION_CACHE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,7 @@ class ResponseTable:
     def __init__(self, db: Database, clock: Callable[[], float] = time.time):
         self.db = db
         self.clock = clock
-        self._convs = LRU(64 << 20)  # response seq -> conversation bytes
+        self._convs = LRU(CONVERSATION_CACHE_BYTES, weigh=memory_of)  # response seq -> conversation bytes
 
     def put(self, response_id: str, session_id: str, turn_id: str | None, body: bytes, conversation: bytes) -> None:
         """Store a response on its own (commits). Turns store theirs through ``insert``."""
@@ -56,6 +61,8 @@ class ResponseTable:
             shared = common_bytes(self._conversation(c, base[0]), conv)
             if shared >= _MIN_SHARED_BYTES:
                 base_seq, base_len, depth = base[0], shared, base[1] + 1
+        if base is not None:
+            self._convs.pop(base[0])  # superseded by this one (safe even if this transaction rolls back)
         cur = c.execute(
             "INSERT INTO responses (response_id, session_id, turn_id, created_at, body, conv_base, conv_base_len, "
             "conv_tail, conv_depth) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -52,16 +52,20 @@ class Proxy:
                 self.proc.wait()
 
 
-def start_proxy(tmp_path: Path, model_dir: str, *, script: list[str] | None = None, delay_ms: int = 0, extra: list[str] | None = None, store: str | None = None, port: int | None = None) -> Proxy:
+def start_proxy(tmp_path: Path, model_dir: str | None, *, script: list[str] | None = None, delay_ms: int = 0, extra: list[str] | None = None, store: str | None = None, port: int | None = None, env: dict | None = None) -> Proxy:
+    """``splice serve`` as a child process; ``model_dir=None`` serves the bundled default model
+    (under ``$SPLICE_HOME``, which ``env`` may set)."""
     port = port or free_port()
     store = store or str(tmp_path / "splice.sqlite")
-    args = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port), "--store", store, "--reference-model", model_dir]
+    args = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port), "--store", store]
+    if model_dir is not None:
+        args += ["--reference-model", model_dir]
     if script is not None:
         sf = tmp_path / f"script-{port}.json"
         sf.write_text(json.dumps(script))
         args += ["--reference-script", str(sf), "--reference-script-delay-ms", str(delay_ms)]
     args += extra or []
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(args, cwd=str(tmp_path), env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

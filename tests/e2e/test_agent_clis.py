@@ -3,8 +3,9 @@
 runs the command, gets the answer, resumes the conversation, and every later turn is spliced.
 
 The npm packages are installed on first use under ``.cache/agent-clis`` (gitignored); without
-npm or the registry the tests skip. The model is the tiny reference model with a 64k context
-(both CLIs send a ~10k-token system prompt and tool list). Each test takes ~20-40 s.
+npm or the registry the tests skip. The proxy is the default ``splice serve`` (no model flags):
+the bundled tiny model's 128k context holds both CLIs' ~8-21k-token system prompt and tool
+list. Each test takes ~20-40 s.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import ROOT, start_proxy
+from tokenization.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +44,15 @@ def cli(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_64k(tmp_path_factory):
-    from engines.reference.model_init import init_model
+def splice_home(tmp_path_factory) -> dict:
+    """A fresh ``$SPLICE_HOME``: ``splice serve`` creates its bundled default model there."""
+    return {"SPLICE_HOME": str(tmp_path_factory.mktemp("splice-home"))}
 
-    return str(init_model(tmp_path_factory.mktemp("model") / "tiny64k", max_position_embeddings=65536))
+
+def _default_model(home: dict) -> str:
+    from engines.reference.model_init import BUNDLED_MODEL_NAME
+
+    return str(Path(home["SPLICE_HOME"]) / "models" / BUNDLED_MODEL_NAME)
 
 
 def _turns(proxy, session: str, headers=None) -> list[dict]:
@@ -84,10 +91,10 @@ CODEX_SCRIPT = [
     "Resumed: still splice-ok.<|im_end|>",
 ]
 
-CODEX_CONFIG = """model = "splice-model"
+CODEX_CONFIG = """model = "gpt-5.5"
 model_provider = "splice"
 approval_policy = "never"
-sandbox_mode = "danger-full-access"
+sandbox_mode = "workspace-write"
 
 [model_providers.splice]
 name = "Splice"
@@ -97,9 +104,9 @@ env_http_headers = {{ "X-Session-Id" = "SPLICE_SESSION", "X-Group-Id" = "SPLICE_
 """
 
 
-def test_codex_cli_default_tools(tmp_path, model_64k):
+def test_codex_cli_default_tools(tmp_path, splice_home):
     codex = cli("codex")
-    proxy = start_proxy(tmp_path, model_64k, script=CODEX_SCRIPT)
+    proxy = start_proxy(tmp_path, None, script=CODEX_SCRIPT, env=splice_home)
     try:
         home, work = tmp_path / "codex-home", tmp_path / "work"
         home.mkdir()
@@ -118,8 +125,11 @@ def test_codex_cli_default_tools(tmp_path, model_64k):
         turns = _turns(proxy, thread)
         assert len(turns) == 3
         _all_spliced(turns)
-        assert turns[0]["requested_sampling"]["tools_not_offered"] == ["web_search"]
-        assert "splice-ok" in _bridge_text(model_64k, turns)  # the command's output, spliced after the call
+        assert turns[0]["requested_sampling"]["tools_not_offered"] == ["tool_search", "web_search"]
+        assert "splice-ok" in _bridge_text(_default_model(splice_home), turns)  # the command's output, spliced after the call
+        # a model slug Codex knows: it offers its freeform apply_patch tool, which Splice offers the model
+        first_prompt = load_tokenizer(_default_model(splice_home)).decode(turns[0]["prompt_ids"])
+        assert '"name": "apply_patch"' in first_prompt
 
         # the README recipe: per-episode session and group headers from the environment
         out = _run(ask + ["Run echo splice-ok and tell me what it printed."], work, {**env, "SPLICE_SESSION": "ep-7", "SPLICE_GROUP": "g-7"})
@@ -141,10 +151,12 @@ CLAUDE_SCRIPT = [
 ]
 
 
-def test_claude_code_cli(tmp_path, model_64k):
+@pytest.mark.parametrize("history_edits", [None, "keep"])
+def test_claude_code_cli(tmp_path, splice_home, history_edits):
     claude = cli("claude")
     key = "sk-splice-cc"
-    proxy = start_proxy(tmp_path, model_64k, script=CLAUDE_SCRIPT, extra=["--api-key", key])
+    extra = ["--api-key", key] + (["--history-edits", history_edits] if history_edits else [])
+    proxy = start_proxy(tmp_path, None, script=CLAUDE_SCRIPT, extra=extra, env=splice_home)
     try:
         home, work = tmp_path / "home", tmp_path / "work"
         home.mkdir()
@@ -161,7 +173,12 @@ def test_claude_code_cli(tmp_path, model_64k):
         turns = _turns(proxy, "cc-ep-1", {"Authorization": f"Bearer {key}"})
         assert len(turns) == 3
         _all_spliced(turns)
-        assert "splice-ok" in _bridge_text(model_64k, turns)  # the tool really ran; its output was spliced in
+        assert "splice-ok" in _bridge_text(_default_model(splice_home), turns)  # the tool really ran; its output was spliced in
+        if history_edits == "keep":  # the episode is one training sample
+            auth = {"Authorization": f"Bearer {key}"}
+            assert proxy.post("/v1/sessions/cc-ep-1/reward", {"reward": 1.0}, headers=auth).status_code == 200
+            samples = proxy.post("/v1/trajectories/pull", {"max_samples": 100}).json()["samples"]
+            assert [x["session_id"] for x in samples] == ["cc-ep-1"]
     finally:
         proxy.stop()
         _stop_engine(proxy)

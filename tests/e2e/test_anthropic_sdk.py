@@ -31,6 +31,8 @@ def _loop(client, session: str, keep_thinking: bool) -> None:
     with client.messages.stream(model="splice-model", max_tokens=200, messages=history, tools=TOOLS,
                                 extra_headers={"X-Session-Id": session, "X-Group-Id": "g-oslo"}) as s:  # fmt: skip
         m1 = s.get_final_message()
+        # the SDK drops the splice block of a stream; the session is in the response headers
+        assert s.response.headers["x-splice-session-id"] == session
     assert m1.stop_reason == "tool_use" and [b.type for b in m1.content] == ["thinking", "tool_use"]
     blocks = [b.model_dump(exclude_none=True) for b in m1.content if keep_thinking or b.type != "thinking"]
     call = m1.content[-1]

@@ -109,11 +109,48 @@ def test_admin_token_guards_trainer_routes(proxy):
     assert httpx.get(proxy.url + "/health", timeout=30).json()["version"] == 0
 
 
+def test_the_agent_key_opens_no_trainer_route(proxy):
+    """An agent with shell tools holds the API key: it must not list sessions, read them, reward
+    itself or pull; the admin token does all of these."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert _post(proxy, "/v1/chat/completions", body, {**AGENT, "X-Session-Id": "self-reward"}).status_code == 200
+    for method, path, payload in (
+        ("GET", "/v1/sessions", None),
+        ("GET", "/v1/sessions/self-reward", None),
+        ("POST", "/v1/sessions/self-reward/reward", {"reward": 1.0}),
+        ("POST", "/v1/trajectories/pull", {"max_samples": 1}),
+    ):
+        for h in ({}, AGENT, {"x-api-key": API_KEY}):
+            r = httpx.request(method, proxy.url + path, json=payload, headers=h, timeout=30)
+            err = _err(r, 401)
+            assert "API key is not accepted" in err["message"] or "admin token" in err["message"]
+    assert httpx.get(proxy.url + "/v1/sessions/self-reward", headers=ADMIN_H, timeout=30).json()["reward"] is None
+    assert httpx.get(proxy.url + "/v1/sessions", headers=ADMIN_H, timeout=30).status_code == 200
+    r = _post(proxy, "/v1/sessions/self-reward/reward", {"reward": 1e200}, ADMIN_H)  # finite but unbounded
+    _err(r, 400)
+    assert _post(proxy, "/v1/sessions/self-reward/reward", {"reward": 0.5}, ADMIN_H).json()["reward"] == 0.5
+
+
+def test_a_reward_token_rewards_and_reads_but_pulls_nothing(tmp_path, model_dir):
+    p = start_proxy(tmp_path, model_dir, script=["ok<|im_end|>"], extra=["--api-key", API_KEY, "--reward-token", "grader"])
+    try:
+        grader = {"Authorization": "Bearer grader"}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert _post(p, "/v1/chat/completions", body, {**AGENT, "X-Session-Id": "g"}).status_code == 200
+        _err(_post(p, "/v1/chat/completions", body, grader), 401)  # not an agent key
+        _err(_post(p, "/v1/sessions/g/reward", {"reward": 1.0}, AGENT), 401)
+        _err(httpx.get(p.url + "/v1/sessions/g", headers=AGENT, timeout=30), 401)
+        assert httpx.get(p.url + "/v1/sessions/g", headers=grader, timeout=30).status_code == 200
+        assert _post(p, "/v1/sessions/g/reward", {"reward": 1.0}, grader).json()["reward"] == 1.0
+    finally:
+        kill_tree(p)
+
+
 def test_bad_json_is_400_in_openai_shape(proxy):
     for path, hdr in (
         ("/v1/responses", AGENT),
         ("/v1/chat/completions", AGENT),
-        ("/v1/sessions/anything/reward", AGENT),
+        ("/v1/sessions/anything/reward", ADMIN_H),
         ("/v1/trajectories/pull", ADMIN_H),
         ("/admin/update_weights", ADMIN_H),
     ):
@@ -129,7 +166,7 @@ def test_bad_json_is_400_in_openai_shape(proxy):
         ("/v1/chat/completions", {"model": "m", "messages": []}),
     ):
         _err(_post(proxy, path, body, AGENT), 400)
-    _err(_post(proxy, "/v1/sessions/anything/reward", {"reward": "lots"}, AGENT), 400)
+    _err(_post(proxy, "/v1/sessions/anything/reward", {"reward": "lots"}, ADMIN_H), 400)
     _err(_post(proxy, "/v1/trajectories/pull", {"max_samples": 0}, ADMIN_H), 400)
     assert httpx.get(proxy.url + "/health", timeout=30).status_code == 200
 
@@ -159,8 +196,8 @@ def test_context_length_exceeded_and_clamping(proxy):
 def test_unknown_ids_are_404(proxy):
     _err(httpx.get(proxy.url + "/v1/responses/resp_0123456789abcdef01234567", headers=AGENT, timeout=30), 404)
     _err(_post(proxy, "/v1/responses", {"model": "m", "input": "hi", "previous_response_id": "resp_nope"}, AGENT), 404)
-    _err(httpx.get(proxy.url + "/v1/sessions/nope", headers=AGENT, timeout=30), 404)
-    _err(_post(proxy, "/v1/sessions/nope/reward", {"reward": 1.0}, AGENT), 404)
+    _err(httpx.get(proxy.url + "/v1/sessions/nope", headers=ADMIN_H, timeout=30), 404)
+    _err(_post(proxy, "/v1/sessions/nope/reward", {"reward": 1.0}, ADMIN_H), 404)
 
 
 def test_session_group_cannot_change(proxy):
@@ -171,7 +208,7 @@ def test_session_group_cannot_change(proxy):
     _err(_post(proxy, "/v1/chat/completions", body, {**AGENT, "X-Session-Id": sid, "X-Group-Id": "g2", "X-Group-Size": "2"}), 409)
     _err(_post(proxy, "/v1/chat/completions", body, {**AGENT, "X-Session-Id": sid, "X-Group-Id": "g1", "X-Group-Size": "3"}), 409)
     _err(_post(proxy, "/v1/chat/completions", body, {**AGENT, "X-Session-Id": sid, "X-Group-Size": "zero"}), 400)
-    s = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers=AGENT, timeout=30).json()
+    s = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers=ADMIN_H, timeout=30).json()
     assert s["group_id"] == "g1" and s["group_size"] == 2 and len(s["turns"]) == 1
 
 

@@ -113,13 +113,20 @@ def test_default_max_inflight_is_sized_for_the_machine():
 # ---------------------------------------------------------------- body limit on the bytes read
 
 
-def test_chunked_upload_without_content_length_is_cut_at_the_limit(tmp_path):
+@pytest.mark.parametrize("n_chunks, discard_max", [(63, None), (255, 128 * 1024)])
+def test_chunked_upload_without_content_length_is_cut_at_the_limit(tmp_path, monkeypatch, n_chunks, discard_max):
+    """Past the limit the body is no longer kept: the rest is read and dropped (so a client still
+    uploading reads the 413 rather than a reset), up to a bound, then the 413 goes out."""
+    from proxy import guard
+
+    if discard_max is not None:
+        monkeypatch.setattr(guard, "DISCARD_MAX_BYTES", discard_max)
     app = _app(tmp_path, FixedPool(OK_IDS), max_request_bytes=64 * 1024)
     read = 0
 
     async def main():
         nonlocal read
-        chunks = [b'{"messages": [{"role": "user", "content": "' + b"a" * 16384] + [b"a" * 16384] * 63 + [b'"}]}']
+        chunks = [b'{"messages": [{"role": "user", "content": "' + b"a" * 16384] + [b"a" * 16384] * n_chunks + [b'"}]}']
         sent = []
 
         async def receive():
@@ -141,7 +148,11 @@ def test_chunked_upload_without_content_length_is_cut_at_the_limit(tmp_path):
     sent = asyncio.run(main())
     assert sent[0]["status"] == 413
     assert b"request_too_large" in sent[1]["body"]
-    assert read <= 64 * 1024 + 16384 + 64  # stopped reading right after the limit, not 1 MiB
+    total = 16384 * (n_chunks + 1) + 43 + 4
+    if discard_max is None:
+        assert read == total  # drained: the client could finish its upload and read the answer
+    else:
+        assert read <= 64 * 1024 + 16384 + discard_max + 16384 + 64 < total  # the drain is bounded
 
 
 # ---------------------------------------------------------------- total engine deadline

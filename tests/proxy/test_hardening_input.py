@@ -134,7 +134,7 @@ def test_token_budget_beyond_int32_is_a_400(client, field):
     assert client.pool.calls == 0
 
 
-@pytest.mark.parametrize("reward", ["1.5", True, None, [1.0], {"v": 1}])
+@pytest.mark.parametrize("reward", ["1.5", True, None, [1.0], {"v": 1}, 1e200, -1e200, 1e6 + 1])
 def test_reward_must_be_a_json_number(client, reward):
     h = {"X-Session-Id": "rw"}
     assert client.post("/v1/chat/completions", json=chat("hi"), headers=h).status_code == 200

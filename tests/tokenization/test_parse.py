@@ -75,3 +75,16 @@ def test_stop_text_filter_holds_back_and_drops_the_stop_string():
     f = StopTextFilter(["END"])
     assert "".join(f.push(p) for p in ["no E", "nd here E"]) + f.flush() == "no End here E"
     assert StopTextFilter([]).push("x") == "x"
+
+
+def test_calls_of_undeclared_tools_are_text_and_flagged(qwen3, qwen_tok):
+    from tokenization import Tool
+
+    ids = enc(qwen_tok, '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "rm", "arguments": {"p": "/"}}\n</tool_call><|im_end|>')
+    p = qwen3.parse(ids, tools=[Tool("a")])
+    assert [c.name for c in p.tool_calls] == ["a"]
+    assert [m.status for m in p.malformed_calls] == ["undeclared_tool"]
+    assert '{"name": "rm", "arguments": {"p": "/"}}' in p.content
+    none_sent = qwen3.parse(ids, tools=[])  # no tools declared: every call is text
+    assert none_sent.tool_calls == () and len(none_sent.malformed_calls) == 2
+    assert [c.name for c in qwen3.parse(ids).tool_calls] == ["a", "rm"]  # tools=None: names not checked

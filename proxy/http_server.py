@@ -1,0 +1,149 @@
+"""The HTTP server's own limits, below the app: how large a request's headers may be and how
+long a client may take to send them.
+
+uvicorn's httptools protocol has neither (an 8 MB header block is accepted, and a socket that
+sends a byte every few seconds is held open forever). ``LimitedHttpToolsProtocol`` adds both:
+
+- headers (request line included) above ``max_header_bytes``: 431 in OpenAI's error shape,
+  then a lingering close (the rest of what the client sends is read and dropped, bounded, so
+  it reads the answer instead of a connection reset);
+- headers not complete ``header_timeout_s`` after the connection opened or the request began:
+  408, and the connection is closed;
+- a request the HTTP parser rejects (a NUL or other control character in a header, a broken
+  request line): 400 in OpenAI's error shape instead of uvicorn's plain-text one.
+
+Without httptools, uvicorn's h11 protocol is used with its header size limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+LINGER_S = 5.0  # how long a refused connection is read and dropped before it is closed
+LINGER_MAX_BYTES = 64 << 20
+
+
+class _HeadersTooLarge(Exception):
+    pass
+
+
+def _response(status: int, reason: bytes, message: str, code: str) -> bytes:
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % (status, reason, len(body))
+    return head + body
+
+
+def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asyncio.Protocol] | None:
+    """A protocol class enforcing the two limits; None when httptools is not installed."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # pragma: no cover - httptools is a dependency
+        return None
+
+    class LimitedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._header_bytes = 0
+            self._too_large = False
+            self._refusing = False
+            self._dropped = 0
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._linger_timer: asyncio.TimerHandle | None = None
+
+        # -- header read time ------------------------------------------------------------
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self._refusing or self.transport.is_closing():
+                return
+            self.transport.write(_response(408, b"Request Timeout", f"request headers not received within {header_timeout_s:g} s", "request_timeout"))
+            self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._header_bytes = 0
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
+            super().connection_lost(exc)
+
+        # -- header size -----------------------------------------------------------------
+        def _count(self, n: int) -> None:
+            self._header_bytes += n
+            if self._header_bytes > max_header_bytes:
+                self._too_large = True
+                raise _HeadersTooLarge()  # httptools stops parsing; uvicorn calls send_400_response
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def send_400_response(self, msg: str) -> None:
+            self._disarm()
+            if not self._too_large:  # a request the parser rejects (a control character in a header, ...)
+                self.transport.write(_response(400, b"Bad Request", "malformed HTTP request: the request line or a header is invalid", "invalid_request"))
+                self._linger()
+                return
+            self.transport.write(_response(431, b"Request Header Fields Too Large", f"request headers are larger than {max_header_bytes} bytes", "request_header_fields_too_large"))
+            self._linger()
+
+        def _linger(self) -> None:
+            """Answer sent: stop writing, read and drop what the client still sends, then close."""
+            self._refusing = True
+            self.flow.resume_reading()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._refusing:
+                self._dropped += len(data)
+                if self._dropped > LINGER_MAX_BYTES:
+                    self.transport.close()
+                return
+            super().data_received(data)
+
+        def eof_received(self) -> bool | None:
+            if self._refusing:
+                self.transport.close()
+                return None
+            return super().eof_received()
+
+    return LimitedHttpToolsProtocol
+
+
+def server_options(max_header_bytes: int, header_timeout_s: float) -> dict[str, Any]:
+    """``uvicorn.Config`` keyword arguments that apply the limits."""
+    proto = limited_protocol(max_header_bytes, header_timeout_s)
+    if proto is not None:
+        return {"http": proto}
+    return {"http": "h11", "h11_max_incomplete_event_size": max_header_bytes}
