@@ -225,8 +225,9 @@ class EnginePool:
     async def announce_version(self, v: int, *, model_path: str | None = None) -> None:
         """The weights became ``v`` by other means: tell the engines that keep a version of their
         own (vLLM's ``/weight_info``, which stamps tokens), then adopt it."""
-        await asyncio.gather(*(r.client.set_weight_version(v) for r in self._replicas.values() if r.healthy))
+        await asyncio.gather(*(r.client.set_weight_version(v) for r in self._replicas.values() if r.healthy and r.out_of_rotation is None))
         self.set_version(v, model_path=model_path)
+        await self._lift_completed(force=True)  # a disk publish may have completed an interrupted transfer
 
     def replica_ids(self) -> list[str]:
         return [r.id for r in self._replicas.values()]
@@ -243,7 +244,7 @@ class EnginePool:
             "can_reload": self._info.can_reload,
             "routing": self.routing,
             "replicas": [
-                {"url": r.url, "healthy": r.healthy, "stale": r.stale, "in_flight": r.in_flight, "out_of_rotation": r.out_of_rotation}
+                {"url": r.url, "healthy": r.healthy, "stale": r.stale, "in_flight": r.in_flight}
                 for r in self._replicas.values()
             ],
             # replicas whose weight transfer began and did not complete: no traffic until a
@@ -606,6 +607,7 @@ class EnginePool:
 
     async def resume(self) -> None:
         """Resume every replica; held requests re-send (and pick up their proximal values)."""
+        await self._lift_completed(force=True)  # a publish through other proxies may have completed them
         try:
             await self._broadcast("resume", lambda r: r.client.resume())
         finally:
@@ -663,6 +665,7 @@ class EnginePool:
             r.stale = True
         self._model_path = model_path
         self._version = int(version)
+        await self._lift_completed(force=True)  # replicas whose interrupted transfer this load completed (via another proxy)
         return {"loaded": loaded, "skipped": skipped, "stale": [r.id for r in down]}
 
     # -- weights over torch.distributed (docs/weight_transfer.md) ------------------------------
@@ -735,7 +738,7 @@ class EnginePool:
             self._version = int(version)
             self._model_path = None
 
-    async def _lift_completed(self) -> None:
+    async def _lift_completed(self, *, force: bool = False) -> None:
         """Put back in rotation a replica whose engine now reports the version its interrupted
         transfer was for (a later publish completed it, through this proxy or another)."""
         out = [r for r in self._replicas.values() if r.out_of_rotation is not None and r.target_version is not None and r.healthy]
@@ -744,7 +747,7 @@ class EnginePool:
                 now = parse_version(await r.client.weight_version())
             except Exception:  # noqa: BLE001 - cannot tell: stays out
                 continue
-            if now == r.target_version and not self._paused:
+            if now == r.target_version and (force or not self._paused):
                 log.info("engine replica %s completed v%d: back in rotation", r.url, now)
                 r.version = now
                 r.out_of_rotation = r.target_version = None

@@ -1,0 +1,280 @@
+"""Weights over torch.distributed (docs/weight_transfer.md), real processes over loopback (gloo).
+
+Two reference engines A and B; proxy P1 drives A, proxy P2 drives A and B (A is shared). The
+trainer side is this test process (``trainer_bridge.publish.publish_tensors``), or a child
+process that is killed half way through a transfer. Every expected value comes from outside
+Splice: the published safetensors themselves, and a third reference engine that loaded the
+same weights from disk at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ROOT, kill_tree, start_proxy
+
+pytestmark = pytest.mark.slow
+
+BUCKET_MB = 2.0
+PROMPT = "The weights arrive over a process group, not a filesystem; every token must be scored by them."
+
+
+def _tensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory, model_dir):
+    from engines.reference.model_init import perturb_model
+
+    root = tmp_path_factory.mktemp("xfer-weights")
+    return {v: str(perturb_model(model_dir, root / f"v{v}", seed=300 + v, scale=0.05)) for v in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, model_dir):
+    from engines.reference.launch import start_engine
+
+    stops, proxies = [], []
+    try:
+        a, stop_a = start_engine(model_dir, timeout_s=120)
+        stops.append(stop_a)
+        b, stop_b = start_engine(model_dir, timeout_s=120)
+        stops.append(stop_b)
+        tmp = tmp_path_factory.mktemp("xfer")
+        proxies.append(start_proxy(tmp, model_dir, extra=["--engine-url", a], store=str(tmp / "p1.sqlite")))
+        proxies.append(start_proxy(tmp, model_dir, extra=["--engine-url", a, "--engine-url", b], store=str(tmp / "p2.sqlite")))
+        yield {"a": a, "b": b, "proxies": proxies, "urls": [p.url for p in proxies]}
+    finally:
+        for p in proxies:
+            kill_tree(p)
+        for stop in stops:
+            stop()
+
+
+@pytest.fixture(scope="module")
+def sender():
+    from trainer_bridge.weight_transfer import WeightSender
+
+    s = WeightSender(master_address="127.0.0.1", backend="gloo", timeout_s=120)
+    yield s
+    s.close()
+
+
+def _info(engine: str) -> dict:
+    return httpx.get(engine + "/model_info", timeout=30).json()
+
+
+def _weight(engine: str, name: str, rows: int = 10**9):
+    import torch
+
+    r = httpx.post(engine + "/get_weights_by_name", json={"name": name, "truncate_size": rows}, timeout=120)
+    assert r.status_code == 200, r.text
+    return torch.tensor(r.json(), dtype=torch.float32)
+
+
+def _prompt_logprobs(engine: str) -> list[float]:
+    r = httpx.post(
+        engine + "/generate",
+        json={"text": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return [e[0] for e in r.json()["meta_info"]["input_token_logprobs"][1:]]
+
+
+def _status(url: str) -> dict:
+    return httpx.get(url + "/admin/status", timeout=30).json()
+
+
+def _chat_versions(url: str) -> tuple[int, list[int]]:
+    sid = "xfer-" + uuid.uuid4().hex[:10]
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        headers={"X-Session-Id": sid},
+        json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6},
+        timeout=120,
+    )
+    if r.status_code != 200:
+        return r.status_code, []
+    s = httpx.get(url + f"/v1/sessions/{sid}", timeout=30).json()
+    return 200, [v for t in s["turns"] for v in t["versions"]]
+
+
+def _assert_exact(engine: str, expected: dict, *, big_rows: int = 512) -> None:
+    import torch
+
+    for name, t in expected.items():
+        rows = big_rows if t.numel() > 2_000_000 else 10**9  # the embedding: its first rows (the logprobs cover all)
+        got = _weight(engine, name, rows)
+        assert torch.equal(got, t.float()[:rows]), name
+
+
+def test_broadcast_publish_gives_every_engine_the_exact_weights_once(fleet, weights, sender, model_dir):
+    from engines.reference.launch import start_engine
+    from trainer_bridge.publish import publish_tensors
+
+    v1 = _tensors(weights[1])
+    before = {e: _info(fleet[e]) for e in ("a", "b")}
+    report = publish_tensors(fleet["urls"], iter(v1.items()), 1, sender=sender, bucket_mb=BUCKET_MB)
+    assert report.ok and report.transfer == "distributed"
+    assert sorted(report.loaded) == sorted([fleet["a"], fleet["b"]]) and report.failed == {}
+    assert report.buckets >= 2 and report.groups_made == 2
+
+    for e in ("a", "b"):
+        info = _info(fleet[e])
+        # A sits behind both proxies and still received v1 once: one versioned load, one group
+        assert info["weight_version"] == "1"
+        assert info["weight_load_versions"] == before[e]["weight_load_versions"] + ["1"]
+        assert info["weight_update_groups_joined"] == 1 and len(info["weight_update_groups"]) == 1
+        assert info["tensor_updates"] == before[e]["tensor_updates"] + report.buckets
+        assert info["model_path"] == model_dir  # the engine was never told a path
+        _assert_exact(fleet[e], v1)
+
+    # the same weights loaded from disk by a fresh engine give the same logprobs, bit for bit
+    ref_url, stop = start_engine(weights[1], timeout_s=120)
+    try:
+        expected = _prompt_logprobs(ref_url)
+    finally:
+        stop()
+    for e in ("a", "b"):
+        assert _prompt_logprobs(fleet[e]) == expected
+
+    for url in fleet["urls"]:
+        st = _status(url)
+        assert st["version"] == 1 and st["paused"] is False and st["out_of_rotation"] == {}
+        code, versions = _chat_versions(url)
+        assert code == 200 and versions and set(versions) == {1}
+
+
+def test_second_publish_keeps_the_groups_and_stamps_the_new_version(fleet, weights, sender):
+    from trainer_bridge.publish import publish_tensors
+
+    v2 = _tensors(weights[2])
+    report = publish_tensors(fleet["urls"], iter(v2.items()), 2, sender=sender, bucket_mb=BUCKET_MB)
+    assert report.ok and report.groups_made == 0
+    for e in ("a", "b"):
+        info = _info(fleet[e])
+        assert info["weight_version"] == "2" and info["weight_update_groups_joined"] == 1
+        assert info["weight_load_versions"][-2:] == ["1", "2"]
+        _assert_exact(fleet[e], v2, big_rows=64)
+    again = publish_tensors(fleet["urls"], iter(v2.items()), 2, sender=sender, bucket_mb=BUCKET_MB)
+    assert again.ok and sorted(again.skipped) == sorted([fleet["a"], fleet["b"]]) and again.loaded == []
+    assert _info(fleet["a"])["weight_load_versions"][-2:] == ["1", "2"]  # re-running v2 moved nothing
+
+
+CHILD = r"""
+import sys, time
+from pathlib import Path
+from safetensors.torch import load_file
+from trainer_bridge.publish import publish_tensors
+urls, path, marker = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+tensors = {}
+for f in sorted(Path(path).glob("*.safetensors")):
+    tensors.update(load_file(str(f)))
+items = list(tensors.items())
+def gen():
+    for k, item in enumerate(items):
+        if k == len(items) // 2:
+            Path(marker).write_text("half")
+            time.sleep(600)
+        yield item
+publish_tensors(urls, gen(), 3, bucket_mb=0.25)
+"""
+
+
+def test_a_transfer_killed_half_way_leaves_no_mixed_engine_in_rotation(fleet, weights, tmp_path):
+    import torch
+
+    from trainer_bridge.publish import publish, publish_tensors
+    from trainer_bridge.weight_transfer import WeightSender
+
+    v2, v3 = _tensors(weights[2]), _tensors(weights[3])
+    names = list(v3)
+    marker = tmp_path / "half"
+    before = {e: _info(fleet[e]) for e in ("a", "b")}
+    last_before = {e: _weight(fleet[e], names[-1]) for e in ("a", "b")}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, ",".join(fleet["urls"]), weights[3], str(marker)],
+        cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert child.poll() is None, "the publishing child exited early"
+            assert time.monotonic() < deadline, "the transfer never got half way"
+            time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+    # the engines hold part v3, part what they had, and still say the version they had
+    for e in ("a", "b"):
+        info = _info(fleet[e])
+        assert info["weight_version"] == before[e]["weight_version"] != "3"
+        assert info["tensor_updates"] > before[e]["tensor_updates"]
+        assert torch.equal(_weight(fleet[e], names[0], 64), v3[names[0]].float()[:64])
+        assert torch.equal(_weight(fleet[e], names[-1]), last_before[e])
+        assert not torch.equal(last_before[e], v3[names[-1]].float())
+    # every proxy names them and sends them nothing, even once an operator resumes it
+    for url in fleet["urls"]:
+        st = _status(url)
+        assert st["paused"] is True
+        assert sorted(st["out_of_rotation"]) == sorted(r["id"] for r in st["engines"]["engine_replicas"])
+        assert httpx.post(url + "/admin/resume", json={}, timeout=30).status_code == 200
+        code, _ = _chat_versions(url)
+        assert code == 503
+    assert _info(fleet["a"])["weight_version"] == before["a"]["weight_version"]
+
+    # the trainer retries: a complete publish of v3 puts every engine back, with v3 stamped
+    fresh = WeightSender(master_address="127.0.0.1", backend="gloo", timeout_s=120)
+    try:
+        report = publish_tensors(fleet["urls"], iter(v3.items()), 3, sender=fresh, bucket_mb=BUCKET_MB)
+    finally:
+        fresh.close()
+    assert report.ok and sorted(report.loaded) == sorted([fleet["a"], fleet["b"]])
+    for e in ("a", "b"):
+        _assert_exact(fleet[e], v3, big_rows=64)
+        assert _info(fleet[e])["weight_version"] == "3"
+    for url in fleet["urls"]:
+        st = _status(url)
+        assert st["out_of_rotation"] == {} and st["version"] == 3
+        code, versions = _chat_versions(url)
+        assert code == 200 and set(versions) == {3}
+
+    # a bucket an engine rejects: both engines stay out, the version stays, nobody is paused,
+    # and the error names them; falling back to the disk publish brings them back
+    import pytest as _pytest
+
+    from trainer_bridge.publish import PublishError
+
+    bad = list(v2.items()) + [("model.not_a_weight", torch.zeros(3))]
+    with _pytest.raises(PublishError) as err:
+        publish_tensors(fleet["urls"], iter(bad), 4, bucket_mb=BUCKET_MB)
+    assert err.value.step == "transfer" and sorted(err.value.engines) == sorted([fleet["a"], fleet["b"]])
+    assert "model.not_a_weight" in str(err.value)
+    for url in fleet["urls"]:
+        st = _status(url)
+        assert st["paused"] is False and st["version"] == 3 and len(st["out_of_rotation"]) == len(st["engines"]["engine_replicas"])
+    assert publish(fleet["urls"], weights[2], 4).ok
+    for url in fleet["urls"]:
+        st = _status(url)
+        assert st["out_of_rotation"] == {} and st["version"] == 4
+        code, versions = _chat_versions(url)
+        assert code == 200 and set(versions) == {4}
+    _assert_exact(fleet["a"], v2, big_rows=64)
