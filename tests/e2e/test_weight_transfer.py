@@ -278,3 +278,31 @@ def test_a_transfer_killed_half_way_leaves_no_mixed_engine_in_rotation(fleet, we
         code, versions = _chat_versions(url)
         assert code == 200 and set(versions) == {4}
     _assert_exact(fleet["a"], v2, big_rows=64)
+
+
+def test_splice_publish_cli_broadcasts_a_safetensors_directory(fleet, weights):
+    import json as _json
+
+    proxies = [a for url in fleet["urls"] for a in ("--proxy", url)]
+    out = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "publish", *proxies, "--transfer", "distributed", "--weights", weights[1],
+         "--version", "5", "--bucket-mb", "4", "--backend", "gloo", "--json"],
+        cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = _json.loads(out.stdout)
+    assert report["ok"] and report["transfer"] == "distributed" and report["model_path"] == ""
+    assert sorted(report["loaded"]) == sorted([fleet["a"], fleet["b"]])
+    v1 = _tensors(weights[1])
+    for e in ("a", "b"):
+        info = _info(fleet[e])
+        assert info["weight_version"] == "5"
+        assert info["weight_update_groups"] == []  # a one-shot publish leaves no group behind
+        _assert_exact(fleet[e], v1, big_rows=64)
+    for url in fleet["urls"]:
+        assert _status(url)["version"] == 5
+    bad = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "publish", *proxies, "--transfer", "distributed", "--version", "6"],
+        cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--weights" in bad.stderr

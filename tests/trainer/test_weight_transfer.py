@@ -1,0 +1,52 @@
+"""Buckets of a weight broadcast (trainer_bridge.weight_transfer): bounded, in order, the last
+one known to be last, at most one tensor read ahead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer_bridge.weight_transfer import buckets, dtype_name
+
+MB = 2**20
+
+
+def _named(sizes_mb: list[float]) -> list[tuple[str, torch.Tensor]]:
+    return [(f"w{i}", torch.full((int(s * MB) // 4,), float(i), dtype=torch.float32)) for i, s in enumerate(sizes_mb)]
+
+
+@pytest.mark.parametrize("sizes", [[0.5] * 7, [3.0, 0.25, 0.25, 5.0, 1.0], [1.0], [0.1, 0.1, 2.5]])
+def test_buckets_are_bounded_ordered_and_flag_first_and_last(sizes):
+    named = _named(sizes)
+    got = list(buckets(iter(named), 2 * MB))
+    assert [n for b in got for n in b.names] == [n for n, _ in named]
+    for b in got:
+        assert b.nbytes <= 2 * MB or len(b.tensors) == 1  # a tensor larger than a bucket goes alone
+    assert [b.first for b in got] == [True] + [False] * (len(got) - 1)
+    assert [b.final for b in got] == [False] * (len(got) - 1) + [True]
+    for b in got:
+        assert b.shapes == [list(t.shape) for _, t in b.tensors] and set(b.dtypes) == {"float32"}
+
+
+def test_at_most_one_tensor_is_read_ahead_of_what_was_sent():
+    named = _named([0.75] * 8)
+    pulled = 0
+
+    def lazy():
+        nonlocal pulled
+        for item in named:
+            pulled += 1
+            yield item
+
+    sent = 0
+    for b in buckets(lazy(), 2 * MB):
+        sent += len(b.tensors)
+        assert pulled <= sent + 1
+    assert sent == 8
+
+
+def test_cast_to_the_engine_dtype_and_empty_input():
+    (b,) = list(buckets(iter([("x", torch.ones(3, dtype=torch.float32))]), MB, dtype=torch.bfloat16))
+    assert b.dtypes == ["bfloat16"] and b.tensors[0][1].dtype == torch.bfloat16
+    assert list(buckets(iter([]), MB)) == []
+    assert dtype_name(torch.float16) == "float16"
