@@ -685,6 +685,7 @@ class EnginePool:
         except EngineError as exc:
             self._note_error(r, exc)
             raise
+        r.healthy = True
 
     async def destroy_weights_group(self, engine: str, group_name: str) -> None:
         r = self._by_id(engine)
@@ -714,6 +715,7 @@ class EnginePool:
             self._note_error(r, exc)
             r.out_of_rotation = f"the transfer of v{batch.version} stopped half way: {exc}"
             raise
+        r.healthy = True
         if batch.final:
             r.version = batch.version
             r.stale = False

@@ -376,11 +376,9 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
     todo = []
     for e in engines:
         f = facts[e]
-        if f.get("weight_version") == version and not f.get("out_of_rotation"):
+        if f.get("weight_version") == version and not f.get("out_of_rotation") and f.get("healthy", True):
             report.skipped.append(e)
-        elif not f.get("healthy", True):
-            report.failed[e] = "unreachable"
-        else:
+        else:  # one its proxy last saw down is tried too: it may be back (joining fails fast if not)
             todo.append(e)
     lap("status")
 
@@ -404,6 +402,7 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
 
         # 4. each engine joins its group with rank 0 once (kept while the engine stays the same)
         links: dict[str, Any] = {}
+        kept: set[str] = set()  # engines whose group was made by an earlier publish
         pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(todo)))
         try:
             def connect(k: int) -> None:
@@ -411,7 +410,9 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
                 i = assigned[e]
                 key = (i, facts[e].get("epoch", 0))
                 join = lambda body: pool.submit(xfer.admin, i, "/admin/weights/init_group", {**body, "engine": e})  # noqa: E731
-                links[e], _ = sender.link(e, key, join)
+                links[e], made = sender.link(e, key, join)
+                if not made:
+                    kept.add(e)
 
             for k, _, exc in _parallel(connect, list(range(len(todo)))):
                 if exc is not None:
@@ -437,8 +438,27 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
                         "first": bucket.first, "final": bucket.final,
                     }  # fmt: skip
                     call = pool.submit(xfer.admin, assigned[e], "/admin/weights/update", body)
-                    sender.send(links[e], bucket, call)
-                    call.result(timeout=sender.timeout_s)
+                    try:
+                        sender.send(links[e], bucket, call)
+                        call.result(timeout=sender.timeout_s)
+                    except Exception:
+                        if not (bucket.first and e in kept):
+                            raise
+                        # a kept group that no longer works (the engine restarted between two
+                        # health checks, so its proxy saw no change): make a new one, once
+                        kept.discard(e)
+                        old = sender.drop(e)
+                        if old is not None:
+                            try:
+                                _destroy_remote(xfer, old)
+                            except Exception:  # noqa: BLE001 - a restarted engine has no such group
+                                pass
+                        connect(todo.index(e))
+                        report.groups_made = sender.groups_made - groups_before
+                        body["group_name"] = links[e].group_name
+                        call = pool.submit(xfer.admin, assigned[e], "/admin/weights/update", body)
+                        sender.send(links[e], bucket, call)
+                        call.result(timeout=sender.timeout_s)
 
                 for k, _, exc in _parallel(send, list(range(len(active)))):
                     if exc is not None:

@@ -284,6 +284,7 @@ def test_splice_publish_cli_broadcasts_a_safetensors_directory(fleet, weights):
     import json as _json
 
     proxies = [a for url in fleet["urls"] for a in ("--proxy", url)]
+    groups_before = {e: _info(fleet[e])["weight_update_groups"] for e in ("a", "b")}
     out = subprocess.run(
         [sys.executable, "-m", "proxy.cli", "publish", *proxies, "--transfer", "distributed", "--weights", weights[1],
          "--version", "5", "--bucket-mb", "4", "--backend", "gloo", "--json"],
@@ -297,7 +298,7 @@ def test_splice_publish_cli_broadcasts_a_safetensors_directory(fleet, weights):
     for e in ("a", "b"):
         info = _info(fleet[e])
         assert info["weight_version"] == "5"
-        assert info["weight_update_groups"] == []  # a one-shot publish leaves no group behind
+        assert info["weight_update_groups"] == groups_before[e]  # a one-shot publish leaves no group behind
         _assert_exact(fleet[e], v1, big_rows=64)
     for url in fleet["urls"]:
         assert _status(url)["version"] == 5
@@ -306,3 +307,36 @@ def test_splice_publish_cli_broadcasts_a_safetensors_directory(fleet, weights):
         cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and "--weights" in bad.stderr
+
+
+def test_an_engine_that_restarts_gets_a_new_group(tmp_path, model_dir, weights):
+    """The kept group dies with the engine; the next publish makes a new one (whether or not the
+    proxy's health check saw the engine down) and the new process gets the whole weights."""
+    from engines.reference.launch import start_engine
+    from trainer_bridge.publish import publish_tensors
+    from trainer_bridge.weight_transfer import WeightSender
+
+    url, stop = start_engine(model_dir, timeout_s=120)
+    port = int(url.rsplit(":", 1)[1])
+    proxy = start_proxy(tmp_path, model_dir, extra=["--engine-url", url])
+    sender = WeightSender(master_address="127.0.0.1", backend="gloo", timeout_s=120)
+    try:
+        assert publish_tensors([proxy.url], iter(_tensors(weights[1]).items()), 1, sender=sender, bucket_mb=BUCKET_MB).ok
+        assert sender.groups_made == 1
+        stop()
+        url2, stop = start_engine(model_dir, port=port, timeout_s=120)
+        assert url2 == url and _info(url)["weight_version"] == "0"
+        v2 = _tensors(weights[2])
+        report = publish_tensors([proxy.url], iter(v2.items()), 2, sender=sender, bucket_mb=BUCKET_MB)
+        assert report.ok and report.loaded == [url] and report.groups_made == 1 and sender.groups_made == 2
+        info = _info(url)
+        assert info["weight_version"] == "2" and info["weight_update_groups_joined"] == 1
+        _assert_exact(url, v2, big_rows=64)
+        st = _status(proxy.url)
+        assert st["out_of_rotation"] == {} and st["version"] == 2
+        code, versions = _chat_versions(proxy.url)
+        assert code == 200 and set(versions) == {2}
+    finally:
+        sender.close()
+        kill_tree(proxy)
+        stop()
