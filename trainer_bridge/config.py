@@ -33,6 +33,11 @@ class TrainConfig:
     publish: bool = _opt(True, "push each step's weights to the proxies (pause -> update_weights -> resume)")
     keep_last: int | None = _opt(3, "keep only the newest N step directories ('none' keeps all)")
     save_dtype: str | None = _opt(None, "cast weights when saving, e.g. bfloat16 (default: as trained)")
+    weight_transfer: str = _opt("auto", "how weights reach the engines: distributed (broadcast over torch.distributed "
+                                "from rank 0), disk (the engines load the saved step directory) or auto (distributed "
+                                "when every engine supports it)")
+    bucket_mb: float = _opt(512.0, "distributed weight transfer: megabytes of tensors per update call")
+    master_address: str = _opt("127.0.0.1", "distributed weight transfer: the address the engines reach this trainer at")
 
     # schedule
     steps: int = _opt(1, "training steps (one pull batch, one published version each)")
@@ -79,6 +84,8 @@ class TrainConfig:
             raise ValueError("at least one --proxy URL is required")
         if not self.model:
             raise ValueError("--model DIR is required")
+        if self.weight_transfer not in ("auto", "distributed", "disk"):
+            raise ValueError(f"--weight-transfer must be auto, distributed or disk, got {self.weight_transfer!r}")
         if self.behav_weight not in ("segment", "decoupled", "off"):
             raise ValueError("--behav-weight must be segment, decoupled or off")
         if self.ppo_n_minibatches < 1 or self.steps < 0 or self.batch_samples < 1:

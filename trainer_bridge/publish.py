@@ -326,7 +326,7 @@ def publish_tensors(
     if client is None:
         client = ProxyClient(proxies, admin_token=admin_token, timeout_s=timeout_s, max_retries=2, backoff_s=0.2)
     # transfer calls are never retried: a repeated join or bucket would wait for a broadcast that already went
-    xfer = ProxyClient(client.urls, admin_token=admin_token, timeout_s=timeout_s, max_retries=0)
+    xfer = ProxyClient(client.urls, admin_token=admin_token or getattr(client, "admin_token", None), timeout_s=timeout_s, max_retries=0)
     try:
         return _publish_tensors(client, xfer, sender, named_tensors, int(version), bucket_mb, dtype, before_resume)
     finally:
@@ -335,6 +335,15 @@ def publish_tensors(
         xfer.close()
         if own:
             client.close()
+
+
+def destroy_groups(sender: Any, client: ProxyClient) -> None:
+    """Drop every group ``sender`` holds, telling each engine through its proxy (best effort)."""
+    xfer = ProxyClient(client.urls, admin_token=getattr(client, "admin_token", None), timeout_s=30.0, max_retries=0)
+    try:
+        sender.close(lambda link: _destroy_remote(xfer, link))
+    finally:
+        xfer.close()
 
 
 def _destroy_remote(xfer: ProxyClient, link: Any) -> None:

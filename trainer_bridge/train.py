@@ -45,6 +45,7 @@ from .distributed import Dist
 from .loss import decoupled_ppo_loss
 from .policy import Policy, load_causal_lm, save_hf_dir
 from .stats import StatsAccumulator
+from .weight_transfer import TrainerPublisher, resolve_transfer
 
 # -- which samples are trainable ----------------------------------------------------------------
 
@@ -465,6 +466,7 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
     if own_client:
         client = ProxyClient(config.proxies, admin_token=config.admin_token)
     bar = None
+    publisher = None
     try:
         torch.manual_seed(config.seed)
         learner = build_learner(config, dist)
@@ -474,6 +476,7 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             out.mkdir(parents=True, exist_ok=True)
             stats_path.parent.mkdir(parents=True, exist_ok=True)
         version = distributed.on_main(dist, lambda: client.version())
+        transfer = distributed.on_main(dist, lambda: resolve_transfer(client, config.weight_transfer)) if config.publish else "disk"
         bar = _progress(config, dist)
         history: list[dict[str, Any]] = []
         for step in range(1, config.steps + 1):
@@ -488,8 +491,14 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             path = out / f"step_{step}"
 
             def publish() -> None:
+                nonlocal publisher
                 save_hf_dir(learner.policy.model, config.model, path, dtype=config.save_dtype)
-                if config.publish:
+                if config.publish and transfer == "distributed":  # docs/weight_transfer.md
+                    if publisher is None:
+                        dtype = getattr(torch, config.save_dtype) if config.save_dtype else None
+                        publisher = TrainerPublisher(client, bucket_mb=config.bucket_mb, master_address=config.master_address, dtype=dtype)
+                    publisher.publish(learner.policy.model, new_version)
+                elif config.publish:
                     client.publish(str(path), new_version)
                 for lease in batch.leases:  # trained on (or dropped as too stale): done with them
                     ack_lease(client, lease)
@@ -501,7 +510,7 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             record = {"step": step, "version": new_version, "trained_on_version": version, **batch.info, **stats}
             if config.log_sessions:
                 record["session_ids"] = sorted({str(s["session_id"]) for s in batch.samples})
-            record.update(train_time_s=t1 - t0, publish_time_s=t2 - t1, step_time_s=t2 - t0, model_path=str(path))
+            record.update(train_time_s=t1 - t0, publish_time_s=t2 - t1, step_time_s=t2 - t0, model_path=str(path), weight_transfer=transfer)
             if dist.is_main:
                 _log(bar, format_stats(record))
                 with stats_path.open("a") as f:
@@ -514,6 +523,8 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
     finally:
         if bar is not None:
             bar.close()
+        if publisher is not None:
+            publisher.close()
         if own_client:
             client.close()
         distributed.teardown(dist)

@@ -262,3 +262,73 @@ def safetensors_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():
                 yield key, fh.get_tensor(key)
+
+
+# -- what a trainer loop calls ---------------------------------------------------------------
+
+
+def full_tensors(model: torch.nn.Module, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for every parameter of ``model`` under the names the engines load
+    (an HF model's own names; a tied head is sent once, as the embedding), one at a time.
+
+    A sharded parameter (FSDP2's ``DTensor``) is gathered with ``full_tensor()``, which is a
+    collective: every rank must iterate this to the end in the same order, and only rank 0
+    sends. ``dtype``: the engine's dtype (cast as each tensor is produced, so memory stays
+    bounded by a bucket)."""
+    for name, p in model.named_parameters():
+        t = p.detach()
+        full = getattr(t, "full_tensor", None)
+        if callable(full):
+            t = full()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        yield name, t
+
+
+def choose_transfer(statuses: list[dict], requested: str = "auto") -> str:
+    """``distributed`` or ``disk``. ``auto``: distributed when every proxy's engines speak
+    SGLang's weight-update API (SGLang, the reference engine); vLLM's is NCCL-only and needs
+    vLLM's own communicator on the trainer, so a fleet with vLLM engines uses the disk."""
+    if requested in ("distributed", "disk"):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"weight transfer must be auto, distributed or disk, got {requested!r}")
+    kinds = {str((st.get("engines") or {}).get("kind") or "") for st in statuses}
+    return "distributed" if kinds == {"sglang"} else "disk"
+
+
+class TrainerPublisher:
+    """The distributed transfer as a trainer loop uses it (rank 0): one :class:`WeightSender`
+    kept across steps, so each engine joins once; ``close()`` also tells the engines to drop
+    their groups."""
+
+    def __init__(self, client, *, bucket_mb: float | None = None, master_address: str = "127.0.0.1", backend: str | None = None,
+                 dtype: torch.dtype | None = None, timeout_s: float = 600.0):  # fmt: skip
+        self.client = client
+        self.bucket_mb = bucket_mb
+        self.dtype = dtype
+        self.sender = WeightSender(master_address=master_address, backend=backend, timeout_s=timeout_s)
+
+    def publish(self, model: torch.nn.Module, version: int):
+        """Broadcast ``model``'s weights as ``version`` through the fleet protocol; returns the
+        ``PublishReport`` (raises ``PublishError`` as ``publish_tensors`` does)."""
+        from .publish import publish_tensors
+
+        return publish_tensors(self.client.urls, full_tensors(model, dtype=self.dtype), version, sender=self.sender,
+                               client=self.client, bucket_mb=self.bucket_mb)  # fmt: skip
+
+    def close(self) -> None:
+        from .publish import destroy_groups
+
+        destroy_groups(self.sender, self.client)
+
+
+def resolve_transfer(client, requested: str = "auto") -> str:
+    """:func:`choose_transfer` over every proxy's ``/admin/status`` (rank 0; the statuses the
+    client last read, e.g. for ``version()``, when it has them)."""
+    if requested in ("distributed", "disk"):
+        return requested
+    if not hasattr(client, "statuses"):
+        return "disk"  # a client that only knows the disk publish
+    statuses = getattr(client, "last_statuses", None) or client.statuses()
+    return choose_transfer(statuses, requested)
