@@ -340,3 +340,35 @@ def test_an_engine_that_restarts_gets_a_new_group(tmp_path, model_dir, weights):
         sender.close()
         kill_tree(proxy)
         stop()
+
+
+@pytest.mark.parametrize("mode", ["auto", "disk"])
+def test_train_step_publishes_by_broadcast_where_the_engines_support_it(proxy_factory, model_dir, tmp_path, mode):
+    from openai import OpenAI
+
+    from trainer_bridge.config import TrainConfig
+    from trainer_bridge.train import train
+
+    proxy = proxy_factory(script=["Four.<|im_end|>", "Five.<|im_end|>"])
+    for k, reward in enumerate((1.0, 0.0)):
+        sid = f"wt-{mode}-{k}"
+        client = OpenAI(base_url=proxy.url + "/v1", api_key="x",
+                        default_headers={"X-Session-Id": sid, "X-Group-Id": f"g-{mode}", "X-Group-Size": "2"})
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"2+{k + 2}?"}])
+        assert proxy.post(f"/v1/sessions/{sid}/reward", {"reward": reward}).status_code == 200
+    engine = proxy.get("/admin/status").json()["engines"]["replicas"][0]["url"]
+    before = _info(engine)
+
+    out = tmp_path / "train"
+    stats = train(TrainConfig(proxies=[proxy.url], model=model_dir, out=str(out), steps=1, batch_samples=2, min_samples=2,
+                              lr=1e-2, pull_wait_s=5, pull_timeout_s=60, progress=False, weight_transfer=mode, bucket_mb=4.0))
+    expected = "distributed" if mode == "auto" else "disk"  # the reference engine speaks SGLang's weight API
+    assert len(stats) == 1 and stats[0]["weight_transfer"] == expected and stats[0]["publish_time_s"] > 0
+    info = _info(engine)
+    assert info["weight_version"] == "1"
+    if expected == "distributed":
+        assert info["model_path"] == before["model_path"] and info["tensor_updates"] > before["tensor_updates"]
+    else:
+        assert info["model_path"] == str(out / "step_1") and info["tensor_updates"] == before["tensor_updates"]
+    _assert_exact(engine, _tensors(str(out / "step_1")), big_rows=64)  # the engine serves what the step saved
+    assert _status(proxy.url)["version"] == 1
