@@ -50,3 +50,34 @@ def test_cast_to_the_engine_dtype_and_empty_input():
     assert b.dtypes == ["bfloat16"] and b.tensors[0][1].dtype == torch.bfloat16
     assert list(buckets(iter([]), MB)) == []
     assert dtype_name(torch.float16) == "float16"
+
+
+def test_auto_picks_the_broadcast_only_when_every_engine_speaks_sglangs_weight_api():
+    from trainer_bridge.weight_transfer import choose_transfer
+
+    sg, vl = {"engines": {"kind": "sglang"}}, {"engines": {"kind": "vllm"}}
+    assert choose_transfer([sg, sg]) == "distributed"
+    assert choose_transfer([sg, vl]) == "disk"
+    assert choose_transfer([{"version": 3}]) == "disk"  # a proxy that does not say
+    assert choose_transfer([vl], "distributed") == "distributed" and choose_transfer([sg], "disk") == "disk"
+    with pytest.raises(ValueError):
+        choose_transfer([sg], "nfs")
+
+
+def test_full_tensors_names_and_dtype_of_a_plain_model():
+    from trainer_bridge.weight_transfer import full_tensors
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    got = list(full_tensors(model, dtype=torch.bfloat16))
+    assert [n for n, _ in got] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    for (n, t), (_, p) in zip(got, model.named_parameters()):
+        assert t.dtype == torch.bfloat16 and torch.equal(t, p.detach().to(torch.bfloat16)) and not t.requires_grad
+
+
+def test_demo_summary_records_the_transfer_and_seconds_per_publish():
+    from proxy.demo.report import weight_transfer_summary
+
+    stats = [{"publish_time_s": 0.5, "weight_transfer": "distributed"}, {"publish_time_s": 0.25, "weight_transfer": "distributed"}]
+    assert weight_transfer_summary(stats) == {"modes": ["distributed"], "publish_s": [0.5, 0.25], "publish_s_mean": 0.375}
+    assert weight_transfer_summary([]) == {"modes": [], "publish_s": [], "publish_s_mean": None}
