@@ -677,6 +677,10 @@ class EnginePool:
             raise ValueError(f"unknown engine {engine!r}; this proxy's engines are {sorted(by_id)}")
         return r
 
+    async def weight_ranks(self, engine: str) -> int:
+        """How many ranks ``engine`` joins a weight-update group with (its GPUs)."""
+        return await self._by_id(engine).client.weight_ranks()
+
     async def init_weights_group(self, engine: str, group: WeightGroup) -> None:
         """Make the engine join ``group`` (the trainer joins as rank 0 meanwhile)."""
         r = self._by_id(engine)

@@ -276,6 +276,11 @@ class SGLangClient:
         if reply.get("success") is not True:
             raise EngineRejected(f"{self.url}: {what} failed: {reply.get('message', reply)}", replica=self.url)
 
+    async def weight_ranks(self) -> int:
+        """How many ranks this server joins a weight-update group with: its tensor-parallel size
+        (``/server_info`` ``tp_size``; rank ``rank_offset + tp_rank`` each)."""
+        return positive_int((await self._get_first("/server_info", "/get_server_info")).get("tp_size")) or 1
+
     async def init_weights_group(self, group: WeightGroup) -> None:
         """``/init_weights_update_group``: answers once the engine joined (the trainer's rank 0
         must be joining at the same time)."""

@@ -294,6 +294,11 @@ class VLLMClient:
 
     # -- weights over torch.distributed (docs/engines.md) ----------------------------------------
 
+    async def weight_ranks(self) -> int:
+        """``GET /get_world_size`` (dev mode): every worker (TP x PP x DP) joins the group."""
+        body = await self._dev("GET", "/get_world_size?include_dp=true")
+        return positive_int((body or {}).get("world_size")) or 1
+
     async def init_weights_group(self, group: WeightGroup) -> None:
         """``/init_weight_transfer_engine`` (dev mode, ``--weight-transfer-config
         '{"backend": "nccl"}'``). vLLM's transfer engines are NCCL only, and a server holds one

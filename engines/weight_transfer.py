@@ -2,8 +2,9 @@
 bodies SGLang and vLLM take for it (docs/engines.md, "Weights over torch.distributed").
 
 The trainer is rank 0 of a process group; the engine joins at ``rank_offset`` and receives one
-broadcast per named tensor. Splice gives each engine a group of its own (``world_size`` 2,
-``rank_offset`` 1), so one engine failing or restarting never touches another's transfer.
+broadcast per named tensor. Splice gives each engine a group of its own (the trainer and the
+engine's ranks: ``world_size`` 1 + its GPUs, ``rank_offset`` 1), so one engine failing or
+restarting never touches another's transfer.
 """
 
 from __future__ import annotations

@@ -419,7 +419,8 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
                 i = assigned[e]
                 key = (i, facts[e].get("epoch", 0))
                 join = lambda body: pool.submit(xfer.admin, i, "/admin/weights/init_group", {**body, "engine": e})  # noqa: E731
-                links[e], made = sender.link(e, key, join)
+                ranks = int((xfer.admin(i, "/admin/weights/ranks", {"engine": e}) or {}).get("ranks") or 1)
+                links[e], made = sender.link(e, key, join, ranks=ranks)
                 if not made:
                     kept.add(e)
 

@@ -1,6 +1,6 @@
 """The trainer's side of a weight transfer over ``torch.distributed`` (docs/weight_transfer.md).
 
-The trainer is rank 0 of one process group per engine (``world_size`` 2, the engine at rank 1),
+The trainer is rank 0 of one process group per engine (the engine's ranks, one per GPU, from 1),
 made the way SGLang makes its weight-update group (a ``tcp://`` rendezvous, a ``PrefixStore``
 named after the group, a process group of its own), so no default process group is needed and
 an FSDP2 trainer's own groups are untouched. Groups are kept across publishes
@@ -156,8 +156,9 @@ class WeightSender:
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
-    def link(self, engine: str, key: tuple, join: Callable[[dict], Future]) -> tuple[EngineLink, bool]:
-        """The group with ``engine``: the kept one when its key matches, else a new one.
+    def link(self, engine: str, key: tuple, join: Callable[[dict], Future], *, ranks: int = 1) -> tuple[EngineLink, bool]:
+        """The group with ``engine``: the kept one when its key matches, else a new one, in
+        which the engine's ``ranks`` (its GPUs) take ranks 1..ranks.
         ``join(body)`` starts the engine's join (the proxy's ``/admin/weights/init_group``
         body without ``engine``) and returns its future; rank 0 joins meanwhile. Returns
         ``(link, made_now)``."""
@@ -168,13 +169,14 @@ class WeightSender:
             self.drop(engine)
         port = free_port(self.master_address)
         name = f"splice-weights-{uuid.uuid4().hex[:12]}"
-        body = {"master_address": self.master_address, "master_port": port, "group_name": name, "backend": self.backend, "rank_offset": 1, "world_size": 2}
+        world = 1 + max(1, int(ranks))
+        body = {"master_address": self.master_address, "master_port": port, "group_name": name, "backend": self.backend, "rank_offset": 1, "world_size": world}
         fut = join(body)
         made: dict[str, object] = {}
 
         def rank0() -> None:
             try:
-                made["pg"] = open_group(master_address=self.master_address, master_port=port, group_name=name, backend=self.backend, timeout_s=self.timeout_s)
+                made["pg"] = open_group(master_address=self.master_address, master_port=port, group_name=name, backend=self.backend, world_size=world, timeout_s=self.timeout_s)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 made["error"] = exc
 

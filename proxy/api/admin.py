@@ -50,6 +50,10 @@ class WeightGroupBody(_Body):
     world_size: int = Field(default=2, ge=2, le=MAX_INT32, strict=True)
 
 
+class EngineBody(_Body):
+    engine: str = Field(min_length=1, max_length=4096)
+
+
 class WeightGroupNameBody(_Body):
     engine: str = Field(min_length=1, max_length=4096)
     group_name: str = _NAME
@@ -138,6 +142,11 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
             return await _engine(coro)
         except ValueError as exc:  # an engine id this proxy does not have
             raise bad_request(str(exc), param="engine") from exc
+
+    @r.post("/admin/weights/ranks", openapi_extra=body_schema(EngineBody))
+    async def weights_ranks(request: Request):
+        b = await read_model(request, EngineBody)
+        return JSONResponse({"engine": b.engine, "ranks": await _on_engine(pool.weight_ranks(b.engine))})
 
     @r.post("/admin/weights/init_group", openapi_extra=body_schema(WeightGroupBody))
     async def weights_init_group(request: Request):

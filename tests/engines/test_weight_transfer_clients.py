@@ -140,3 +140,17 @@ def test_vllm_without_dev_mode_or_over_gloo_is_unsupported():
         run(go(GROUP))
     with pytest.raises(EngineUnsupported, match="NCCL only"):
         run(go(WeightGroup("127.0.0.1", 1234, "g", "gloo")))
+
+
+def test_ranks_an_engine_joins_with():
+    # SGLang: /server_info carries the server arguments (tp_size); vLLM: GET /get_world_size
+    async def go():
+        with respx.mock() as r:
+            r.get(f"{SG}/server_info").mock(return_value=httpx.Response(200, json={"tp_size": 4, "dp_size": 1, "context_length": 4096}))
+            ws = r.get(f"{VL}/get_world_size").mock(return_value=httpx.Response(200, json={"world_size": 2}))
+            async with httpx.AsyncClient() as http:
+                sg = await SGLangClient(http, SG).weight_ranks()
+                vl = await VLLMClient(http, VL, model="m").weight_ranks()
+            return sg, vl, ws.calls[0].request.url.params.get("include_dp")
+
+    assert run(go()) == (4, 2, "true")
