@@ -372,3 +372,66 @@ def test_train_step_publishes_by_broadcast_where_the_engines_support_it(proxy_fa
         assert info["model_path"] == str(out / "step_1") and info["tensor_updates"] == before["tensor_updates"]
     _assert_exact(engine, _tensors(str(out / "step_1")), big_rows=64)  # the engine serves what the step saved
     assert _status(proxy.url)["version"] == 1
+
+
+LONG = (
+    "The quick brown fox jumps over the lazy dog while the patient cat watches from the warm windowsill, "
+    "counting birds that fly past the old oak tree in the garden behind the house; meanwhile the farmer "
+    "walks to the barn, opens the heavy wooden door and feeds the horses."
+)
+
+
+def test_a_broadcast_landing_mid_turn_stamps_every_token_exactly(tmp_path, model_dir, weights):
+    """A generation in flight when the weights move by broadcast: tokens before are v0, tokens
+    after are v1, and the v0 tokens' proximal values are log pi_v1 from an independent forward
+    pass over the published weights."""
+    import threading
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.publish import publish_tensors
+
+    proxy = start_proxy(tmp_path, model_dir, script=[LONG + "<|im_end|>"], delay_ms=40)
+    try:
+        sid = "xfer-mid-" + uuid.uuid4().hex[:8]
+        seen: list[str] = []
+        got = threading.Event()
+        result: dict = {}
+
+        def agent():
+            try:
+                with httpx.stream("POST", proxy.url + "/v1/chat/completions", headers={"X-Session-Id": sid}, timeout=120,
+                                  json={"model": "m", "messages": [{"role": "user", "content": "A story."}], "stream": True}) as r:
+                    result["status"] = r.status_code
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and '"content"' in line:
+                            seen.append(line)
+                            if len(seen) >= 12:
+                                got.set()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                result["error"] = exc
+            finally:
+                got.set()
+
+        th = threading.Thread(target=agent)
+        th.start()
+        assert got.wait(60) and "error" not in result, result
+        report = publish_tensors([proxy.url], iter(_tensors(weights[1]).items()), 1, bucket_mb=BUCKET_MB)
+        assert report.ok
+        th.join(120)
+        assert result.get("status") == 200 and "error" not in result, result
+
+        (t,) = httpx.get(proxy.url + f"/v1/sessions/{sid}", timeout=30).json()["turns"]
+        versions, out, prompt = t["versions"], t["output_ids"], t["prompt_ids"]
+        k = versions.index(1)
+        assert 0 < k < len(out) - 5 and versions == [0] * k + [1] * (len(out) - k)
+        model = AutoModelForCausalLM.from_pretrained(weights[1], dtype=torch.float64).eval()
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([prompt + out])).logits[0], dim=-1)
+        ref_v1 = [float(lp[i - 1, (prompt + out)[i]]) for i in range(len(prompt), len(prompt) + len(out))]
+        assert t["proximal_versions"] == [1] * len(out)
+        assert t["proximal_logprobs_t"][:k] == pytest.approx(ref_v1[:k], abs=1e-4)
+        assert t["output_logprobs"][k:] == pytest.approx(ref_v1[k:], abs=1e-4)  # sampled by the broadcast weights
+    finally:
+        kill_tree(proxy)
