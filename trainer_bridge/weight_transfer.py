@@ -314,10 +314,13 @@ class TrainerPublisher:
     def publish(self, model: torch.nn.Module, version: int):
         """Broadcast ``model``'s weights as ``version`` through the fleet protocol; returns the
         ``PublishReport`` (raises ``PublishError`` as ``publish_tensors`` does)."""
+        return self.publish_named(full_tensors(model, dtype=self.dtype), version)
+
+    def publish_named(self, named: Iterable[tuple[str, torch.Tensor]], version: int):
+        """The same from ``(name, tensor)`` pairs (a sharded trainer's gathered full tensors)."""
         from .publish import publish_tensors
 
-        return publish_tensors(self.client.urls, full_tensors(model, dtype=self.dtype), version, sender=self.sender,
-                               client=self.client, bucket_mb=self.bucket_mb)  # fmt: skip
+        return publish_tensors(self.client.urls, named, version, sender=self.sender, client=self.client, bucket_mb=self.bucket_mb)
 
     def close(self) -> None:
         from .publish import destroy_groups
