@@ -435,3 +435,22 @@ def test_a_broadcast_landing_mid_turn_stamps_every_token_exactly(tmp_path, model
         assert t["output_logprobs"][k:] == pytest.approx(ref_v1[k:], abs=1e-4)  # sampled by the broadcast weights
     finally:
         kill_tree(proxy)
+
+
+def test_bad_weight_transfer_requests_get_openai_shaped_errors(fleet):
+    url = fleet["urls"][0]
+    cases = [
+        ("/admin/weights/update", {"engine": "http://nowhere:1", "group_name": "g", "version": 1, "names": [], "dtypes": [], "shapes": []}, "engine"),
+        ("/admin/weights/update", {"engine": fleet["a"], "group_name": "g", "version": 1, "names": ["x"], "dtypes": [], "shapes": []}, None),
+        ("/admin/weights/init_group", {"engine": fleet["a"], "master_address": "127.0.0.1", "master_port": 1, "group_name": "g", "backend": "mpi"}, None),
+        ("/admin/weights/ranks", {"engine": "http://nowhere:1"}, "engine"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(url + path, json=body, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "code"} and err["message"]
+        if param:
+            assert err.get("param") == param
+    st = _status(url)
+    assert st["paused"] is False and fleet["a"] not in st["out_of_rotation"]  # nothing was touched
