@@ -379,6 +379,10 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
     engines, assigned = plan_loads(statuses)
     if not engines:
         raise PublishError("status", urls[0], "no proxy lists its engines (engines.engine_replicas): the distributed transfer needs them", report)
+    vllm = [urls[i] for i, st in enumerate(statuses) if (st.get("engines") or {}).get("kind") == "vllm"]
+    if vllm:  # its workers join vLLM's own NCCL communicator, not this kind of group: they would wait forever
+        raise PublishError("status", vllm[0], "vLLM engines receive weights only from vLLM's own NCCL communicator "
+                           "(vllm.distributed.weight_transfer); publish to them from disk (--model-path)", report)
     report.engines = engines
     report.loaders = {e: urls[i] for e, i in assigned.items()}
     facts = {e: next(r for r in engine_replicas(statuses[assigned[e]]) if str(r["id"]) == e) for e in engines}

@@ -81,3 +81,23 @@ def test_demo_summary_records_the_transfer_and_seconds_per_publish():
     stats = [{"publish_time_s": 0.5, "weight_transfer": "distributed"}, {"publish_time_s": 0.25, "weight_transfer": "distributed"}]
     assert weight_transfer_summary(stats) == {"modes": ["distributed"], "publish_s": [0.5, 0.25], "publish_s_mean": 0.375}
     assert weight_transfer_summary([]) == {"modes": [], "publish_s": [], "publish_s_mean": None}
+
+
+def test_a_distributed_publish_to_vllm_engines_stops_before_pausing_anything():
+    import httpx
+
+    from trainer_bridge.client import ProxyClient
+    from trainer_bridge.publish import PublishError, publish_tensors
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        reps = [{"id": "http://vllm-a:8000", "url": "http://vllm-a:8000", "healthy": True, "stale": False, "weight_version": 0}]
+        return httpx.Response(200, json={"version": 0, "engines": {"kind": "vllm", "engine_replicas": reps}})
+
+    client = ProxyClient(["http://p1:8000"], transport=httpx.MockTransport(handler), max_retries=0)
+    with pytest.raises(PublishError) as err:
+        publish_tensors(client.urls, iter([("w", torch.ones(2))]), 1, client=client, backend="gloo")
+    assert err.value.step == "status" and "disk" in str(err.value)
+    assert calls == ["/admin/status"]  # nothing paused
