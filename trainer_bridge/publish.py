@@ -327,8 +327,16 @@ def publish_tensors(
         client = ProxyClient(proxies, admin_token=admin_token, timeout_s=timeout_s, max_retries=2, backoff_s=0.2)
     # transfer calls are never retried: a repeated join or bucket would wait for a broadcast that already went
     xfer = ProxyClient(client.urls, admin_token=admin_token or getattr(client, "admin_token", None), timeout_s=timeout_s, max_retries=0)
+    it = iter(named_tensors)
     try:
-        return _publish_tensors(client, xfer, sender, named_tensors, int(version), bucket_mb, dtype, before_resume)
+        return _publish_tensors(client, xfer, sender, it, int(version), bucket_mb, dtype, before_resume)
+    except BaseException:
+        try:  # whatever failed, the tensors are read to the end: other ranks gather them too
+            for _ in it:
+                pass
+        except Exception:  # noqa: BLE001 - the original error wins
+            pass
+        raise
     finally:
         if own_sender:
             sender.close(lambda link: _destroy_remote(xfer, link))

@@ -97,7 +97,15 @@ def test_a_distributed_publish_to_vllm_engines_stops_before_pausing_anything():
         return httpx.Response(200, json={"version": 0, "engines": {"kind": "vllm", "engine_replicas": reps}})
 
     client = ProxyClient(["http://p1:8000"], transport=httpx.MockTransport(handler), max_retries=0)
+    read = []
+
+    def gathered():  # a sharded trainer's gathers: read to the end even when nothing is sent
+        for k in range(3):
+            read.append(k)
+            yield f"w{k}", torch.ones(2)
+
     with pytest.raises(PublishError) as err:
-        publish_tensors(client.urls, iter([("w", torch.ones(2))]), 1, client=client, backend="gloo")
+        publish_tensors(client.urls, gathered(), 1, client=client, backend="gloo")
     assert err.value.step == "status" and "disk" in str(err.value)
     assert calls == ["/admin/status"]  # nothing paused
+    assert read == [0, 1, 2]
