@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Awaitable, Callable, Protocol
 
 from engines.types import EngineBadResponse, EngineInfo, SamplingParams, Segment
+from engines.weight_transfer import TensorBatch, WeightGroup  # noqa: F401 - the Protocol's types
 
 # Called with the output ids (and their behaviour logprobs) new since the previous call.
 TokensCallback = Callable[[list[int], list[float]], Awaitable[None]]
@@ -53,6 +54,22 @@ class EngineClient(Protocol):
         ...
 
     async def health(self) -> bool: ...
+
+    # weights over torch.distributed (engines.weight_transfer, docs/weight_transfer.md)
+
+    async def weight_ranks(self) -> int:
+        """How many ranks the engine joins a weight-update group with (its GPUs)."""
+        ...
+
+    async def init_weights_group(self, group: "WeightGroup") -> None:
+        """Join ``group``; answers once every rank (the trainer's rank 0 too) arrived."""
+        ...
+
+    async def update_weights_from_distributed(self, batch: "TensorBatch") -> None:
+        """Receive one bucket of broadcasts and load it; the final bucket stamps the version."""
+        ...
+
+    async def destroy_weights_group(self, group_name: str) -> None: ...
 
     async def info(self) -> EngineInfo:
         """What the engine says about itself (context length, model, version, control endpoints).

@@ -56,6 +56,7 @@ from engines.types import (
     SamplingParams,
 )
 from engines.vllm import TIED_HEAD_WARNING, VLLMClient
+from engines.weight_transfer import TensorBatch, WeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,16 @@ class Replica:
     info: EngineInfo | None = None  # what the replica said at start(); None if it was down
     version: int | None = None  # the weight version the engine last reported (None: unknown)
     reports_version: bool = True  # False once a vLLM replica showed it has no /weight_info
+    # Why the replica takes no traffic at all: a weight transfer to it began and has not
+    # completed (its weights may be part old, part new). Lifted by a complete publish: the
+    # engine then reports ``target_version``.
+    out_of_rotation: str | None = None
+    target_version: int | None = None
+    epoch: int = 0  # bumped each time the replica comes back after being down (it may have restarted)
 
     @property
     def usable(self) -> bool:
-        return self.healthy and not self.stale
+        return self.healthy and not self.stale and self.out_of_rotation is None
 
     @property
     def id(self) -> str:
@@ -225,8 +232,9 @@ class EnginePool:
     async def announce_version(self, v: int, *, model_path: str | None = None) -> None:
         """The weights became ``v`` by other means: tell the engines that keep a version of their
         own (vLLM's ``/weight_info``, which stamps tokens), then adopt it."""
-        await asyncio.gather(*(r.client.set_weight_version(v) for r in self._replicas.values() if r.healthy))
+        await asyncio.gather(*(r.client.set_weight_version(v) for r in self._replicas.values() if r.healthy and r.out_of_rotation is None))
         self.set_version(v, model_path=model_path)
+        await self._lift_completed(force=True)  # a disk publish may have completed an interrupted transfer
 
     def replica_ids(self) -> list[str]:
         return [r.id for r in self._replicas.values()]
@@ -246,10 +254,13 @@ class EnginePool:
                 {"url": r.url, "healthy": r.healthy, "stale": r.stale, "in_flight": r.in_flight}
                 for r in self._replicas.values()
             ],
+            # replicas whose weight transfer began and did not complete: no traffic until a
+            # complete publish (docs/weight_transfer.md)
+            "out_of_rotation": {r.id: r.out_of_rotation for r in self._replicas.values() if r.out_of_rotation is not None},
             # per replica: the engine's stable identity (what a fleet publish deduplicates on)
             # and the weight version the engine last reported
             "engine_replicas": [
-                {"id": r.id, "url": r.url, "healthy": r.healthy, "stale": r.stale, "weight_version": r.version}
+                {"id": r.id, "url": r.url, "healthy": r.healthy, "stale": r.stale, "weight_version": r.version, "out_of_rotation": r.out_of_rotation, "epoch": r.epoch}
                 for r in self._replicas.values()
             ],
         }
@@ -331,7 +342,10 @@ class EnginePool:
         if self._sticky is not None:
             load = {u: r.in_flight for u, r in self._replicas.items()}
             ring = self._sticky.place(session_id, ring, load, lambda u: self._replicas[u].usable)
-        order = [self._replicas[u] for u in ring]
+        order = [self._replicas[u] for u in ring if self._replicas[u].out_of_rotation is None]
+        if not order:
+            reasons = "; ".join(f"{r.url}: {r.out_of_rotation}" for r in self._replicas.values())
+            raise EngineUnavailable(f"every engine replica is out of rotation ({reasons}); publish the weights again", retryable=False)
         return sorted(order, key=lambda r: (r.stale, not r.healthy))  # stable: keeps ring order
 
     def _note_error(self, replica: Replica, exc: EngineError) -> None:
@@ -436,7 +450,9 @@ class EnginePool:
                     )
 
                 try:
-                    if replica is None:  # first segment: pick by session, fail over once
+                    if replica is None or replica.out_of_rotation is not None:
+                        # first segment, or its replica's weights are being replaced: pick by
+                        # session, fail over once
                         replica, seg = await self._call_with_failover(
                             session_id, call, may_retry=lambda: delivered == 0
                         )
@@ -617,6 +633,7 @@ class EnginePool:
 
     async def resume(self) -> None:
         """Resume every replica; held requests re-send (and pick up their proximal values)."""
+        await self._lift_completed(force=True)  # a publish through other proxies may have completed them
         try:
             await self._broadcast("resume", lambda r: r.client.resume())
         finally:
@@ -662,6 +679,7 @@ class EnginePool:
                 loaded.append(r.id)
             r.version = int(version)
             r.stale = False
+            r.out_of_rotation = r.target_version = None  # whole weights again
 
         if self.kind == "vllm" and self._info.tied_lm_head:
             log.warning("vLLM update_weights(%r): %s", model_path, TIED_HEAD_WARNING)
@@ -673,13 +691,106 @@ class EnginePool:
             r.stale = True
         self._model_path = model_path
         self._version = int(version)
+        await self._lift_completed(force=True)  # replicas whose interrupted transfer this load completed (via another proxy)
         return {"loaded": loaded, "skipped": skipped, "stale": [r.id for r in down]}
+
+    # -- weights over torch.distributed (docs/weight_transfer.md) ------------------------------
+
+    def _by_id(self, engine: str) -> Replica:
+        by_id = {r.id: r for r in self._replicas.values()}
+        r = by_id.get(engine_id(engine))
+        if r is None:
+            raise ValueError(f"unknown engine {engine!r}; this proxy's engines are {sorted(by_id)}")
+        return r
+
+    async def weight_ranks(self, engine: str) -> int:
+        """How many ranks ``engine`` joins a weight-update group with (its GPUs)."""
+        return await self._by_id(engine).client.weight_ranks()
+
+    async def init_weights_group(self, engine: str, group: WeightGroup) -> None:
+        """Make the engine join ``group`` (the trainer joins as rank 0 meanwhile)."""
+        r = self._by_id(engine)
+        try:
+            await r.client.init_weights_group(group)
+        except EngineError as exc:
+            self._note_error(r, exc)
+            raise
+        r.healthy = True
+
+    async def destroy_weights_group(self, engine: str, group_name: str) -> None:
+        r = self._by_id(engine)
+        await r.client.destroy_weights_group(group_name)
+
+    def begin_transfer(self, engines: list[str], version: int) -> list[str]:
+        """Take the replicas of ``engines`` (those this proxy has) out of rotation before their
+        weights start changing; returns their ids. A complete transfer puts them back."""
+        wanted = {engine_id(e) for e in engines}
+        marked = []
+        for r in self._replicas.values():
+            if r.id in wanted:
+                r.out_of_rotation = f"receiving weights v{int(version)}"
+                r.target_version = int(version)
+                marked.append(r.id)
+        return marked
+
+    async def update_weights_from_distributed(self, engine: str, batch: TensorBatch) -> None:
+        """One bucket to one engine; the final bucket stamps ``batch.version`` and puts the
+        replica back in rotation. A failed bucket leaves it out, with the reason."""
+        r = self._by_id(engine)
+        r.out_of_rotation = r.out_of_rotation or f"receiving weights v{batch.version}"
+        r.target_version = batch.version
+        try:
+            await r.client.update_weights_from_distributed(batch)
+        except EngineError as exc:
+            self._note_error(r, exc)
+            r.out_of_rotation = f"the transfer of v{batch.version} stopped half way: {exc}"
+            raise
+        r.healthy = True
+        if batch.final:
+            r.version = batch.version
+            r.stale = False
+            r.out_of_rotation = r.target_version = None
+
+    def commit_transfer(self, version: int, updated: list[str], failed: dict[str, str]) -> None:
+        """After a fleet transfer: engines in ``updated`` serve ``version`` (back in rotation),
+        those in ``failed`` stay out with the reason. V becomes ``version`` when any engine of
+        the fleet has it; the weights of V live on no filesystem, so a stale replica is no
+        longer reloaded from an older path."""
+        ok = {engine_id(e) for e in updated}
+        bad = {engine_id(e): why for e, why in failed.items()}
+        for r in self._replicas.values():
+            if r.id in ok:
+                r.version = int(version)
+                r.stale = False
+                r.out_of_rotation = r.target_version = None
+            elif r.id in bad:
+                r.out_of_rotation = f"the transfer of v{int(version)} did not complete: {bad[r.id]}"
+                r.target_version = int(version)
+        if ok:
+            self._version = int(version)
+            self._model_path = None
+
+    async def _lift_completed(self, *, force: bool = False) -> None:
+        """Put back in rotation a replica whose engine now reports the version its interrupted
+        transfer was for (a later publish completed it, through this proxy or another)."""
+        out = [r for r in self._replicas.values() if r.out_of_rotation is not None and r.target_version is not None and r.healthy]
+        for r in out:
+            try:
+                now = parse_version(await r.client.weight_version())
+            except Exception:  # noqa: BLE001 - cannot tell: stays out
+                continue
+            if now == r.target_version and (force or not self._paused):
+                log.info("engine replica %s completed v%d: back in rotation", r.url, now)
+                r.version = now
+                r.out_of_rotation = r.target_version = None
 
     async def health(self) -> dict[str, bool]:
         """Probe every replica now; returns and records ``{url: healthy}``."""
         replicas = list(self._replicas.values())
         oks = await asyncio.gather(*(r.client.health() for r in replicas))
         for r, ok in zip(replicas, oks):
+            if ok and not r.healthy:
+                r.epoch += 1  # it may be a new process: groups it had joined are gone
             if ok != r.healthy:
                 log.info("engine replica %s is %s", r.url, "healthy" if ok else "unhealthy")
             r.healthy = ok
@@ -724,8 +835,9 @@ class EnginePool:
             try:
                 await self.health()
                 for r in self._replicas.values():
-                    if r.stale and r.healthy and not self._paused:
+                    if r.stale and r.healthy and not self._paused and r.out_of_rotation is None:
                         await self._resync(r)
+                await self._lift_completed()
                 if not self._paused:
                     await self._poll_versions()
             except Exception:  # noqa: BLE001 - the loop must survive anything

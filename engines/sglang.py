@@ -18,6 +18,7 @@ import httpx
 from engines.client import TokensCallback, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, deadline, expect_dict
 from engines.resume import parse_version
+from engines.weight_transfer import TensorBatch, WeightGroup, sglang_init_body, sglang_update_body
 from engines.types import (
     EngineBadResponse,
     EngineError,
@@ -267,6 +268,37 @@ class SGLangClient:
                 f"{self.url}: update_weights_from_disk({model_path!r}) failed: {body.get('message', body)}",
                 replica=self.url,
             )
+
+    # -- weights over torch.distributed (docs/engines.md) ----------------------------------------
+
+    async def _success(self, path: str, body: dict, what: str) -> None:
+        reply = expect_dict(await self.http.request("POST", path, body=body, timeout=self.timeout_s), self.url, path)
+        if reply.get("success") is not True:
+            raise EngineRejected(f"{self.url}: {what} failed: {reply.get('message', reply)}", replica=self.url)
+
+    async def weight_ranks(self) -> int:
+        """How many ranks this server joins a weight-update group with: its tensor-parallel size
+        (``/server_info`` ``tp_size``; rank ``rank_offset + tp_rank`` each)."""
+        return positive_int((await self._get_first("/server_info", "/get_server_info")).get("tp_size")) or 1
+
+    async def init_weights_group(self, group: WeightGroup) -> None:
+        """``/init_weights_update_group``: answers once the engine joined (the trainer's rank 0
+        must be joining at the same time)."""
+        await self._success("/init_weights_update_group", sglang_init_body(group), f"init_weights_update_group({group.group_name!r})")
+
+    async def update_weights_from_distributed(self, batch: TensorBatch) -> None:
+        """``/update_weights_from_distributed``: answers once the bucket was received and loaded."""
+        await self._success("/update_weights_from_distributed", sglang_update_body(batch), f"update_weights_from_distributed(v{batch.version})")
+
+    async def destroy_weights_group(self, group_name: str) -> None:
+        await self._success("/destroy_weights_update_group", {"group_name": group_name}, f"destroy_weights_update_group({group_name!r})")
+
+    async def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """``/get_weights_by_name``: the first ``truncate_size`` rows of a parameter, as floats."""
+        body = await self.http.request("POST", "/get_weights_by_name", body={"name": name, "truncate_size": int(truncate_size)}, timeout=self.timeout_s)
+        if not isinstance(body, list):
+            raise EngineBadResponse(f"{self.url}/get_weights_by_name: expected a list, got {type(body).__name__}", replica=self.url)
+        return body
 
     async def weight_version(self) -> str | None:
         try:

@@ -33,6 +33,7 @@ import os
 from engines.client import TokensCallback, config_ties_head, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, deadline, expect_dict
 from engines.resume import parse_version
+from engines.weight_transfer import TensorBatch, WeightGroup, vllm_finish_body, vllm_init_body, vllm_update_body
 from engines.sglang import ROUTING_HEADER, routing_value
 from engines.types import (
     EngineBadResponse,
@@ -290,6 +291,33 @@ class VLLMClient:
             raise EngineBadResponse(
                 f"{self.url}: weight version reads back as {now!r} after setting {version}", replica=self.url, retryable=False
             )
+
+    # -- weights over torch.distributed (docs/engines.md) ----------------------------------------
+
+    async def weight_ranks(self) -> int:
+        """``GET /get_world_size`` (dev mode): every worker (TP x PP x DP) joins the group."""
+        body = await self._dev("GET", "/get_world_size?include_dp=true")
+        return positive_int((body or {}).get("world_size")) or 1
+
+    async def init_weights_group(self, group: WeightGroup) -> None:
+        """``/init_weight_transfer_engine`` (dev mode, ``--weight-transfer-config
+        '{"backend": "nccl"}'``). vLLM's transfer engines are NCCL only, and a server holds one
+        (``group_name`` is Splice's, not vLLM's)."""
+        if group.backend != "nccl":
+            raise EngineUnsupported(f"{self.url}: vLLM's weight transfer runs over NCCL only, not {group.backend!r}", replica=self.url)
+        await self._dev("POST", "/init_weight_transfer_engine", vllm_init_body(group), timeout=self.timeout_s)
+
+    async def update_weights_from_distributed(self, batch: TensorBatch) -> None:
+        """``/start_weight_update`` before the first bucket, ``/update_weights`` for each,
+        ``/finish_weight_update`` with the version after the last."""
+        if batch.first:
+            await self._dev("POST", "/start_weight_update", None, timeout=self.timeout_s)
+        await self._dev("POST", "/update_weights", vllm_update_body(batch), timeout=self.timeout_s)
+        if batch.final:
+            await self._dev("POST", "/finish_weight_update", vllm_finish_body(batch), timeout=self.timeout_s)
+
+    async def destroy_weights_group(self, group_name: str) -> None:
+        await self._dev("POST", "/shutdown_weight_transfer_engine", None, timeout=self.timeout_s)
 
     async def set_weight_version(self, version: int) -> None:
         """``POST /update_weight_version`` (dev mode), so ``/weight_info`` stamps the right version

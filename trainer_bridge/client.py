@@ -194,6 +194,8 @@ class ProxyClient:
         self.urls = resolve_proxies(urls)
         if not self.urls:
             raise ValueError("at least one proxy URL is required")
+        self.admin_token = admin_token
+        self.last_statuses: list[dict[str, Any]] | None = None
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._http = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
         self.max_retries = max_retries
@@ -343,7 +345,8 @@ class ProxyClient:
         return self._request(index, "GET", "/admin/status")
 
     def statuses(self) -> list[dict[str, Any]]:
-        return self._broadcast("GET", "/admin/status")
+        self.last_statuses = self._broadcast("GET", "/admin/status")  # what the engines are: read again by the trainer
+        return self.last_statuses
 
     def version(self) -> int:
         """The policy version the proxies serve (the highest, if they disagree)."""

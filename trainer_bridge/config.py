@@ -37,7 +37,12 @@ class TrainConfig:
         "every N steps and after the last one ('none': never)")
     keep_checkpoints: int = _opt(1, "keep only the newest N training checkpoints")
     resume: str | None = _opt(None, "continue from this training checkpoint directory (its step + 1 up to --steps)")
-    save_dtype: str | None = _opt(None, "cast weights when saving, e.g. bfloat16 (default: as trained)")
+    save_dtype: str | None = _opt(None, "dtype of the published weights, e.g. bfloat16 (default: the dtype the --model directory is stored in, i.e. what the engines run)")
+    weight_transfer: str = _opt("auto", "how weights reach the engines: distributed (broadcast over torch.distributed "
+                                "from rank 0), disk (the engines load the saved step directory) or auto (distributed "
+                                "when every engine supports it)")
+    bucket_mb: float = _opt(512.0, "distributed weight transfer: megabytes of tensors per update call")
+    master_address: str = _opt("127.0.0.1", "distributed weight transfer: the address the engines reach this trainer at")
 
     # schedule
     steps: int = _opt(1, "training steps (one pull batch, one published version each)")
@@ -102,6 +107,8 @@ class TrainConfig:
             raise ValueError("at least one --proxy URL is required")
         if not self.model:
             raise ValueError("--model DIR is required")
+        if self.weight_transfer not in ("auto", "distributed", "disk"):
+            raise ValueError(f"--weight-transfer must be auto, distributed or disk, got {self.weight_transfer!r}")
         if self.behav_weight not in ("segment", "decoupled", "off"):
             raise ValueError("--behav-weight must be segment, decoupled or off")
         if self.ppo_n_minibatches < 1 or self.steps < 0 or self.batch_samples < 1:

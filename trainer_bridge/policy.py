@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import shutil
 from pathlib import Path
 
@@ -161,6 +162,19 @@ def load_causal_lm(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
     return model
+
+
+def checkpoint_dtype(model_dir: str | None) -> str | None:
+    """The dtype a model directory's weights are stored in (``config.json``'s ``torch_dtype`` or
+    ``dtype``): what an engine serving that directory runs in, so what a publish should send."""
+    if not model_dir:
+        return None
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    return name if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) else None
 
 
 def save_hf_dir(

@@ -43,7 +43,8 @@ from .client import ProxyClient, ProxyError
 from .config import TrainConfig, config_from_argv
 from .distributed import Dist
 from .learner import Learner, build_learner, learner_step  # noqa: F401 - re-exported for callers
-from .policy import save_hf_dir
+from .policy import checkpoint_dtype, save_hf_dir
+from .weight_transfer import TrainerPublisher, resolve_transfer
 
 # -- which samples are trainable ----------------------------------------------------------------
 
@@ -271,6 +272,17 @@ def full_state_dict(learner: Learner) -> dict[str, torch.Tensor]:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
 
 
+def engine_tensors(weights: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype | None):
+    """``(name, tensor)`` pairs an engine loads, from the gathered state dict: a tied head is sent
+    once (as the embedding, like ``named_parameters``), each tensor cast to the engine's dtype as
+    it is sent."""
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    for name, t in weights.items():
+        if tied and name == "lm_head.weight":
+            continue
+        yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
+
+
 def peak_memory(dist: Dist) -> dict[str, float]:
     """This process's peak RSS (and peak CUDA allocation), in MB."""
     out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -300,6 +312,7 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
     if own_client:
         client = ProxyClient(config.proxies, admin_token=config.admin_token)
     bar = None
+    publisher = None
     try:
         torch.manual_seed(config.seed)
         learner = build_learner(config, dist)
@@ -311,6 +324,8 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             out.mkdir(parents=True, exist_ok=True)
             stats_path.parent.mkdir(parents=True, exist_ok=True)
         version = distributed.on_main(dist, lambda: client.version())
+        transfer = distributed.on_main(dist, lambda: resolve_transfer(client, config.weight_transfer)) if config.publish else "disk"
+        engine_dtype = config.save_dtype or checkpoint_dtype(config.model)  # what the engines run in (bf16 for a bf16 model)
         bar = _progress(config, dist)
         history: list[dict[str, Any]] = []
         for step in range(first_step, config.steps + 1):
@@ -340,15 +355,21 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             weights = full_state_dict(learner)
 
             def publish() -> None:
-                save_hf_dir(learner.policy.model, config.model, path, dtype=config.save_dtype, state_dict=weights)
-                if config.publish:
+                nonlocal publisher
+                save_hf_dir(learner.policy.model, config.model, path, dtype=engine_dtype, state_dict=weights)
+                if config.publish and transfer == "distributed":  # docs/weight_transfer.md
+                    if publisher is None:
+                        dtype = getattr(torch, engine_dtype) if engine_dtype else None
+                        publisher = TrainerPublisher(client, bucket_mb=config.bucket_mb, master_address=config.master_address, dtype=dtype)
+                    publisher.publish_named(engine_tensors(weights, learner.policy.model, publisher.dtype), new_version)
+                elif config.publish:
                     client.publish(str(path), new_version)
                 for lease in batch.leases:  # trained on (or dropped as too stale): done with them
                     ack_lease(client, lease)
                 prune_step_dirs(out, config.keep_last)
 
             distributed.on_main(dist, publish)
-            del weights
+            weights = {}  # drop the gathered copy before the checkpoint
             t2 = time.perf_counter()
             every = config.checkpoint_every
             if every and (step % every == 0 or step == config.steps):
@@ -367,7 +388,7 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             if config.log_sessions:
                 record["session_ids"] = session_ids
             record.update(train_time_s=t1 - t0, publish_time_s=t2 - t1, checkpoint_time_s=t3 - t2,
-                          step_time_s=t3 - t0, model_path=str(path))
+                          step_time_s=t3 - t0, model_path=str(path), weight_transfer=transfer)
             if dist.is_main:
                 _log(bar, format_stats(record))
                 with stats_path.open("a") as f:
@@ -380,6 +401,8 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
     finally:
         if bar is not None:
             bar.close()
+        if publisher is not None:
+            publisher.close()
         if own_client:
             client.close()
         distributed.teardown(dist)

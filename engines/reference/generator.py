@@ -120,6 +120,7 @@ class Worker:
         self.model_path = lm.model_dir
         self.weight_loads = 0  # successful weight loads since start (a debug counter: /model_info)
         self.weight_load_versions: list[str | None] = []  # the version named by each load, in order
+        self.tensor_updates = 0  # successful /update_weights_from_distributed calls (buckets)
         self._seeds = random.Random(seed)
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()
@@ -164,6 +165,15 @@ class Worker:
     def update_weights(self, path: str, version: str | None, *, abort_all: bool = False) -> Future:
         """Load weights from ``path`` once no job is being stepped; resolves to (success, message)."""
         return self._post("update", path, version, abort_all)
+
+    def load_tensors(self, tensors: dict, version: str | None, *, abort_all: bool = False) -> Future:
+        """Copy received tensors (one bucket of a broadcast) into the model once no job is being
+        stepped, as ``update_weights`` does; ``version`` (the last bucket's) is then stamped."""
+        return self._post("update", tensors, version, abort_all)
+
+    def call(self, fn) -> Future:
+        """Run ``fn()`` on the worker thread, between decode steps (reads of the weights)."""
+        return self._post("call", fn)
 
     @property
     def paused(self) -> bool:
@@ -253,6 +263,8 @@ class Worker:
             for j in self._active:
                 j._due = max(j._due, now)
             fut.set_result(None)
+        elif kind == "call":
+            fut.set_result(args[0]())
         elif kind == "drain":
             self._waiters.append(fut)
         elif kind == "update":
@@ -283,19 +295,27 @@ class Worker:
                 self._step(job)
 
     def _do_update(self) -> None:
-        path, version, fut = self._update
+        source, version, fut = self._update
         self._update = None
+        from_disk = isinstance(source, str)
         try:
-            self.lm.load_weights(path)
+            if from_disk:
+                self.lm.load_weights(source)
+            else:
+                self.lm.load_tensors(source, partial=True)
         except Exception as e:
             fut.set_result((False, f"Failed to update weights: {e}"))
             return
-        self.model_path = str(path)
+        if from_disk:
+            self.model_path = str(source)
+        else:
+            self.tensor_updates += 1
         if version is not None:
             self.weight_version = str(version)
-        self.weight_loads += 1
-        self.weight_load_versions.append(None if version is None else str(version))
-        fut.set_result((True, "Succeeded to update model weights."))
+        if from_disk or version is not None:  # a broadcast counts once, at its versioned last bucket
+            self.weight_loads += 1
+            self.weight_load_versions.append(None if version is None else str(version))
+        fut.set_result((True, "Succeeded to update model weights." if from_disk else "Succeeded to update parameter online."))
 
     # ---- jobs ------------------------------------------------------------------------------
 

@@ -122,13 +122,23 @@ class LanguageModel:
         loaded: dict[str, torch.Tensor] = {}
         for f in files:
             loaded.update(load_file(str(f)))
+        self.load_tensors(loaded, partial=False)
+        self.model_dir = str(model_dir)
+
+    def load_tensors(self, loaded: dict[str, torch.Tensor], *, partial: bool) -> None:
+        """Copy named tensors into the model; all-or-nothing. ``partial``: a subset of the
+        weights (one bucket of a broadcast), so nothing counts as missing.
+
+        Raises ValueError (nothing changed) for an unknown name, a shape mismatch or, unless
+        ``partial``, a missing tensor.
+        """
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers()))
         tied = self._tied_names()
         unexpected = sorted(k for k in loaded if k not in params)
         if unexpected:
             raise ValueError(f"unexpected tensors in checkpoint: {unexpected[:5]}")
-        missing = sorted(k for k, v in self.model.named_parameters() if k not in loaded and k not in tied)
+        missing = [] if partial else sorted(k for k, v in self.model.named_parameters() if k not in loaded and k not in tied)
         if missing:
             raise ValueError(f"tensors missing from checkpoint: {missing[:5]}")
         for k, t in loaded.items():
@@ -137,7 +147,17 @@ class LanguageModel:
         with torch.no_grad():
             for k, t in loaded.items():
                 params[k].copy_(t.to(params[k].dtype))
-        self.model_dir = str(model_dir)
+
+    def weight(self, name: str) -> torch.Tensor | None:
+        """The parameter or buffer called ``name`` (a tied head answers with the embedding it
+        shares), or None."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers()))
+        return params.get(name)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def _tied_names(self) -> set[str]:
         """Parameter names that share storage with another one (e.g. a tied lm_head)."""

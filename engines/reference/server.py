@@ -15,12 +15,13 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from . import sglang_api, vllm_api
+from . import sglang_api, vllm_api, weight_api
 from .generator import Worker
 from .lm import LanguageModel
 from .model_init import IM_END_ID
 from .script import Script, load_script
 from .state import EngineState
+from .weight_sync import DEFAULT_TIMEOUT_S, WeightGroups
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,14 @@ def create_app(
     served_model_name: str | None = None,
     token_delay_s: float = 0.0,
     seed: int = 0,
+    weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> FastAPI:
     """Load the model and return the ASGI app; the worker thread runs for the app's lifespan.
 
     ``script``: a script file path or a list of assistant texts (script mode). Tokens are
     emitted at most every ``script_delay_s`` seconds in script mode, ``token_delay_s`` otherwise
     (0: as fast as the CPU goes). ``seed`` seeds requests that carry no sampling seed.
+    ``weight_sync_timeout_s`` bounds joining a weight-update group and each broadcast.
     """
     lm = LanguageModel(model_dir)
     scripted = None
@@ -63,6 +66,8 @@ def create_app(
     app.state.engine = state
     app.include_router(sglang_api.make_router(state))
     app.include_router(vllm_api.make_router(state))
+    state.weight_groups = WeightGroups(lm.device, timeout_s=weight_sync_timeout_s)
+    app.include_router(weight_api.make_router(state, state.weight_groups))
     return app
 
 
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-version", default="0")
     p.add_argument("--served-model-name")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-sync-timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="how long joining a weight-update group, or one broadcast in it, may take")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
@@ -102,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         weight_version=a.weight_version,
         served_model_name=a.served_model_name,
         seed=a.seed,
+        weight_sync_timeout_s=a.weight_sync_timeout_s,
     )
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     return 0

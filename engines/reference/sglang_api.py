@@ -332,6 +332,10 @@ def make_router(state: EngineState) -> APIRouter:
                 # debug: how many times weights were loaded, and the version each load named
                 "weight_loads": state.worker.weight_loads,
                 "weight_load_versions": list(state.worker.weight_load_versions),
+                # weight-update groups joined (/init_weights_update_group) and tensor loads received
+                "weight_update_groups": state.weight_groups.names() if state.weight_groups is not None else [],
+                "weight_update_groups_joined": state.weight_groups.joined if state.weight_groups is not None else 0,
+                "tensor_updates": state.worker.tensor_updates,
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": getattr(cfg, "model_type", None),

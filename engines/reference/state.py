@@ -38,6 +38,7 @@ class EngineState:
         self.started = time.time()
         self.inflight: dict[str, Job] = {}
         self._running: asyncio.Event | None = None
+        self.weight_groups = None  # weight_sync.WeightGroups, set by the app factory
 
     @property
     def running(self) -> asyncio.Event:

@@ -17,6 +17,7 @@ STEP_KEYS = (
     "engine_gap_mean", "engine_gap_abs_max", "engine_gap_tokens",
     "engine_prox_gap_mean", "engine_prox_gap_abs_max", "engine_prox_gap_tokens", "staleness_mean", "staleness_max",
     "n_sessions", "n_samples", "n_dropped_stale", "loss_tokens", "grad_norm", "train_time_s", "publish_time_s",
+    "weight_transfer",
 )
 
 
@@ -140,8 +141,21 @@ def build_summary(
         "reward_last3_mean": last,
         "reward_gain": last - first,
         "totals": totals,
+        "weight_transfer": weight_transfer_summary(stats),
         "invariants": {"ok": not problems, "problems": problems[:200], "n_problems": len(problems), **(checked or {})},
         **(extra or {}),
+    }
+
+
+def weight_transfer_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """How each step's weights reached the engines (``distributed``: broadcast over
+    torch.distributed; ``disk``: the engines loaded the step directory) and the seconds each
+    publish took (save included)."""
+    secs = [float(r["publish_time_s"]) for r in stats if "publish_time_s" in r]
+    return {
+        "modes": sorted({str(r["weight_transfer"]) for r in stats if r.get("weight_transfer")}),
+        "publish_s": [round(x, 4) for x in secs],
+        "publish_s_mean": round(sum(secs) / len(secs), 4) if secs else None,
     }
 
 
