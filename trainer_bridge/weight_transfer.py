@@ -44,12 +44,14 @@ def free_port(host: str) -> int:
 def open_group(*, master_address: str, master_port: int, group_name: str, backend: str, world_size: int = 2, timeout_s: float = 600.0):
     """Rank 0 of a process group of its own (SGLang's ``init_custom_process_group``): hosts the
     rendezvous store and returns once every rank joined."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    host = f"[{master_address}]" if ":" in master_address and not master_address.startswith("[") else master_address
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{int(master_port)}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store is made here, not through ``rendezvous("tcp://...")``: under torchrun that helper
+    # connects to the elastic agent's store as a client (TORCHELASTIC_USE_AGENT_STORE) and
+    # nobody would host this group's store, so rank 0 would wait out the timeout.
+    store = TCPStore(master_address, int(master_port), world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

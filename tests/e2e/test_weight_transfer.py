@@ -374,6 +374,40 @@ def test_train_step_publishes_by_broadcast_where_the_engines_support_it(proxy_fa
     assert _status(proxy.url)["version"] == 1
 
 
+def test_two_fsdp2_ranks_publish_by_broadcast_from_rank_0(proxy_factory, model_dir, tmp_path):
+    """``torchrun --nproc-per-node 2 -m trainer_bridge.train``: both ranks gather the FSDP2 shards
+    (a collective), rank 0 alone broadcasts, and the engine serves exactly what the step saved."""
+    import json
+
+    from openai import OpenAI
+
+    proxy = proxy_factory(script=["Four.<|im_end|>", "Five.<|im_end|>"])
+    for k, reward in enumerate((1.0, 0.0)):
+        sid = f"wt-fsdp-{k}"
+        client = OpenAI(base_url=proxy.url + "/v1", api_key="x",
+                        default_headers={"X-Session-Id": sid, "X-Group-Id": "g-fsdp", "X-Group-Size": "2"})
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"2+{k + 2}?"}])
+        assert proxy.post(f"/v1/sessions/{sid}/reward", {"reward": reward}).status_code == 200
+    engine = proxy.get("/admin/status").json()["engines"]["replicas"][0]["url"]
+    before = _info(engine)
+    out = tmp_path / "train"
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer_bridge.train",
+           "--proxy", proxy.url, "--model", model_dir, "--out", str(out), "--steps", "1", "--batch-samples", "2",
+           "--min-samples", "2", "--lr", "1e-2", "--pull-wait-s", "5", "--pull-timeout-s", "60", "--no-progress",
+           "--weight-transfer", "distributed", "--bucket-mb", "4"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:3000] + proc.stderr[-3000:]
+    stats = [json.loads(line) for line in (out / "stats.jsonl").read_text().splitlines()]
+    assert len(stats) == 1 and stats[0]["weight_transfer"] == "distributed"
+    info = _info(engine)
+    assert info["weight_version"] == "1" and info["model_path"] == before["model_path"]  # never told a path
+    assert info["tensor_updates"] > before["tensor_updates"]
+    _assert_exact(engine, _tensors(str(out / "step_1")), big_rows=64)
+    assert _status(proxy.url)["version"] == 1
+
+
 LONG = (
     "The quick brown fox jumps over the lazy dog while the patient cat watches from the warm windowsill, "
     "counting birds that fly past the old oak tree in the garden behind the house; meanwhile the farmer "
