@@ -44,7 +44,7 @@ from .config import TrainConfig, config_from_argv
 from .distributed import Dist
 from .learner import Learner, build_learner, learner_step  # noqa: F401 - re-exported for callers
 from .policy import checkpoint_dtype, save_hf_dir
-from .weight_transfer import TrainerPublisher, resolve_transfer
+from .weight_transfer import TrainerPublisher, full_tensors, resolve_transfer
 
 # -- which samples are trainable ----------------------------------------------------------------
 
@@ -272,17 +272,6 @@ def full_state_dict(learner: Learner) -> dict[str, torch.Tensor]:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
 
 
-def engine_tensors(weights: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype | None):
-    """``(name, tensor)`` pairs an engine loads, from the gathered state dict: a tied head is sent
-    once (as the embedding, like ``named_parameters``), each tensor cast to the engine's dtype as
-    it is sent."""
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    for name, t in weights.items():
-        if tied and name == "lm_head.weight":
-            continue
-        yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
-
-
 def peak_memory(dist: Dist) -> dict[str, float]:
     """This process's peak RSS (and peak CUDA allocation), in MB."""
     out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -352,22 +341,36 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             path = out / f"step_{step}"
 
             t1 = time.perf_counter()
-            weights = full_state_dict(learner)
+            streamed = config.publish and transfer == "distributed"
+            # A broadcast publish needs no directory: each tensor is gathered from the shards as
+            # its bucket is sent (memory bounded by a bucket). The last step is still saved.
+            save_dir = not streamed or step == config.steps
+            weights = full_state_dict(learner) if save_dir else {}
+            dtype = getattr(torch, engine_dtype) if engine_dtype else None
+            # Collective on every rank: all of them gather each tensor, rank 0 alone sends it.
+            named = full_tensors(learner.policy.model, dtype=dtype) if streamed else iter(())
 
             def publish() -> None:
                 nonlocal publisher
-                save_hf_dir(learner.policy.model, config.model, path, dtype=engine_dtype, state_dict=weights)
-                if config.publish and transfer == "distributed":  # docs/weight_transfer.md
+                if save_dir:
+                    save_hf_dir(learner.policy.model, config.model, path, dtype=engine_dtype, state_dict=weights)
+                if streamed:  # docs/weight_transfer.md
                     if publisher is None:
-                        dtype = getattr(torch, engine_dtype) if engine_dtype else None
                         publisher = TrainerPublisher(client, bucket_mb=config.bucket_mb, master_address=config.master_address, dtype=dtype)
-                    publisher.publish_named(engine_tensors(weights, learner.policy.model, publisher.dtype), new_version)
+                    try:
+                        publisher.publish_named(named, new_version)
+                    finally:
+                        for _ in named:  # the other ranks gather every tensor: so does rank 0
+                            pass
                 elif config.publish:
                     client.publish(str(path), new_version)
                 for lease in batch.leases:  # trained on (or dropped as too stale): done with them
                     ack_lease(client, lease)
                 prune_step_dirs(out, config.keep_last)
 
+            if not dist.is_main:
+                for _ in named:  # rank 0 gathers the same tensors while it sends them
+                    pass
             distributed.on_main(dist, publish)
             weights = {}  # drop the gathered copy before the checkpoint
             t2 = time.perf_counter()

@@ -293,8 +293,9 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
         b = await read_model(request, TransferCommitBody)
         pool.commit_transfer(b.version, b.updated, b.failed)
         metrics.version.set(pool.version)
+        await recompute.refresh()  # which sessions owe values now: their next turns compute them
         if not pool.paused:
-            recompute.soon()
+            recompute.soon()  # closed sessions now; open ones at their next turn or the next pause
         return JSONResponse({"version": pool.version, "out_of_rotation": pool.status().get("out_of_rotation", {})})
 
     @r.get("/admin/status")

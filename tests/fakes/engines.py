@@ -498,3 +498,25 @@ class FixedPool:
 
     def status(self):
         return {"in_flight": 0}
+
+    # the weight-transfer surface of a pool with no engine ids: every named engine is unknown
+    def _unknown(self, engine: str):
+        raise ValueError(f"unknown engine {engine!r}; this proxy's engines are []")
+
+    async def weight_ranks(self, engine: str) -> int:
+        self._unknown(engine)
+
+    async def init_weights_group(self, engine: str, group) -> None:
+        self._unknown(engine)
+
+    async def destroy_weights_group(self, engine: str, group_name: str) -> None:
+        self._unknown(engine)
+
+    def begin_transfer(self, engines: list[str], version: int) -> list[str]:
+        return []
+
+    async def update_weights_from_distributed(self, engine: str, batch) -> None:
+        self._unknown(engine)
+
+    def commit_transfer(self, version: int, updated: list[str], failed: dict[str, str]) -> None:
+        pass  # engines it does not have are ignored, as EnginePool ignores them
