@@ -179,9 +179,10 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
                     seen.set()
         result["chunks"] = n
 
-    def post(path: str, body=None) -> None:
+    def post(path: str, body=None) -> httpx.Response:
         r = httpx.post(proxy + path, json=body, timeout=300)
         assert r.status_code == 200, (path, r.text)
+        return r
 
     # vLLM can finish all 400 tokens before the client has read two of them: then the pause finds
     # nothing in flight. Such an attempt resumes without touching the weights and starts over, so
@@ -226,7 +227,11 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
     # the v0 values really changed: a proximal value is not just the behaviour value
     assert max(abs(a - b) for a, b, v in zip(t["output_logprobs"], t["proximal_logprobs_t"], versions) if v == 0) > 1e-3
 
-    # R2: finished v0 turns get log pi_v1 (eagerly after the update, at the latest when pulled)
+    # R2: finished v0 turns of open sessions are owed log pi_v1; nothing computes them eagerly
+    # (their next turn or the next deadline does): the deadline route settles them, one prefill
+    # per session leaf against the real vLLM.
+    owed = post("/admin/recompute").json()["recompute"]
+    assert owed["prefills"] >= 1 and owed["tokens"] >= 1, owed
     deadline = time.monotonic() + 60
     worst = 0.0
     for name in ("chat", "responses", "context"):

@@ -40,7 +40,7 @@ def test_longest_first_beats_round_robin(world):
         assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
         lpt = imbalance([sum(costs[i] for i in p) for p in parts])
         rr = imbalance([sum(costs[i] for i in range(r, len(costs), world)) for r in range(world)])
-        assert lpt <= 1.1  # the target for log-uniform 100-8,000 token samples
+        assert lpt <= 1.1  # the balance target for log-uniform 100-8,000 token samples
         worse.append(rr)
         # LPT's guarantee: no rank above the mean plus the largest single cost
         assert max(sum(costs[i] for i in p) for p in parts) <= sum(costs) / world + max(costs) + 1e-9
