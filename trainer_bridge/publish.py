@@ -260,14 +260,20 @@ def _publish(client: ProxyClient, model_path: str, version: int, before_resume: 
         raise
 
     # 5. every proxy resumes
-    bad = _resume_all(client, urls, every, before_resume)
+    _resume_and_time(client, urls, every, before_resume, report, lap, t_start)
+    report.ok = True
+    return report
+
+
+def _resume_and_time(client: ProxyClient, urls: list[str], every: list[int], before: Callable[[str], None] | None,
+                     report: PublishReport, lap: Callable[[str], None], t_start: float) -> None:
+    """The last step of a publish: every proxy resumes; the first that could not is the error."""
+    bad = _resume_all(client, urls, every, before)
     lap("resume")
     report.timings_s["total"] = round(time.perf_counter() - t_start, 4)
     if bad:
         i, exc = bad[0]
         raise PublishError("resume", urls[i], _message(exc), report, cause=exc)
-    report.ok = True
-    return report
 
 
 def _resume_all(client: ProxyClient, urls: list[str], every: list[int], before: Callable[[str], None] | None) -> list[tuple[int, BaseException]]:
@@ -507,12 +513,7 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
         raise
 
     # 7. every proxy resumes
-    bad = _resume_all(client, urls, every, before_resume)
-    lap("resume")
-    report.timings_s["total"] = round(time.perf_counter() - t_start, 4)
-    if bad:
-        i, exc = bad[0]
-        raise PublishError("resume", urls[i], _message(exc), report, cause=exc)
+    _resume_and_time(client, urls, every, before_resume, report, lap, t_start)
     if report.failed:
         first = next(iter(report.failed))
         detail = "; ".join(f"{e}: {why}" for e, why in report.failed.items())
