@@ -309,14 +309,16 @@ class RecomputeScheduler:
         deadline = self.deadline_s if deadline_s is None else float(deadline_s)
         version = self.pool.version
         t0 = time.monotonic()
+        async def work() -> None:
+            async with self._lock:
+                await recompute_owed_report(
+                    self.store, self.pool, version, concurrency=self.concurrency, closed_only=closed_only,
+                    min_version=self.min_version, report=report,
+                )  # fmt: skip
+
         try:
-            async with asyncio.timeout(max(deadline, 0.0)):
-                async with self._lock:
-                    await recompute_owed_report(
-                        self.store, self.pool, version, concurrency=self.concurrency, closed_only=closed_only,
-                        min_version=self.min_version, report=report,
-                    )  # fmt: skip
-        except TimeoutError:
+            await asyncio.wait_for(work(), timeout=max(deadline, 0.0))
+        except asyncio.TimeoutError:
             report.timed_out = True
             log.warning(
                 "recompute under v%d passed its %.1f s deadline: %d tokens filled from %d prefills, the rest stays owed",
