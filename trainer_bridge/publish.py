@@ -183,14 +183,7 @@ def _publish(client: ProxyClient, model_path: str, version: int, before_resume: 
     urls = list(client.urls)
     every = list(range(len(urls)))
     report = PublishReport(version=version, model_path=model_path, proxies=urls)
-    t_start = time.perf_counter()
-    clock = t_start
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        report.timings_s[name] = round(now - clock, 4)
-        clock = now
+    lap = _Laps(report)
 
     def fail_first(step: str, results, engines_of: Callable[[int], Sequence[str]] = lambda i: ()) -> None:
         bad = [(i, exc) for i, _, exc in results if exc is not None]
@@ -260,17 +253,30 @@ def _publish(client: ProxyClient, model_path: str, version: int, before_resume: 
         raise
 
     # 5. every proxy resumes
-    _resume_and_time(client, urls, every, before_resume, report, lap, t_start)
+    _resume_and_time(client, urls, every, before_resume, report, lap)
     report.ok = True
     return report
 
 
+class _Laps:
+    """``lap(name)`` records the seconds since the previous lap in ``report.timings_s``."""
+
+    def __init__(self, report: PublishReport):
+        self.report = report
+        self.start = self.clock = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.report.timings_s[name] = round(now - self.clock, 4)
+        self.clock = now
+
+
 def _resume_and_time(client: ProxyClient, urls: list[str], every: list[int], before: Callable[[str], None] | None,
-                     report: PublishReport, lap: Callable[[str], None], t_start: float) -> None:
+                     report: PublishReport, lap: _Laps) -> None:
     """The last step of a publish: every proxy resumes; the first that could not is the error."""
     bad = _resume_all(client, urls, every, before)
     lap("resume")
-    report.timings_s["total"] = round(time.perf_counter() - t_start, 4)
+    report.timings_s["total"] = round(time.perf_counter() - lap.start, 4)
     if bad:
         i, exc = bad[0]
         raise PublishError("resume", urls[i], _message(exc), report, cause=exc)
@@ -371,14 +377,7 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
     urls = list(client.urls)
     every = list(range(len(urls)))
     report = PublishReport(version=version, model_path="", proxies=urls, transfer="distributed")
-    t_start = time.perf_counter()
-    clock = t_start
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        report.timings_s[name] = round(now - clock, 4)
-        clock = now
+    lap = _Laps(report)
 
     def fail_first(step: str, results) -> None:
         bad = [(i, exc) for i, _, exc in results if exc is not None]
@@ -513,7 +512,7 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
         raise
 
     # 7. every proxy resumes
-    _resume_and_time(client, urls, every, before_resume, report, lap, t_start)
+    _resume_and_time(client, urls, every, before_resume, report, lap)
     if report.failed:
         first = next(iter(report.failed))
         detail = "; ".join(f"{e}: {why}" for e, why in report.failed.items())

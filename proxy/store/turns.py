@@ -462,15 +462,20 @@ def _owed_rows(c, version: int, *, light: bool = False, closed_only: bool = Fals
     return result
 
 
+def _token_arrays(logprobs, versions, prox_lp, prox_v):
+    """A stored turn's packed per-token columns as arrays: logprobs, versions, proximal both."""
+    lp = unpack_f32(logprobs)
+    v = unpack_runs(versions)
+    return (lp, v, *unpack_proximal(lp, v, prox_lp, prox_v))
+
+
 def _tokens(row, prompt: np.ndarray) -> TurnTokens:
     (
         _seq, turn_id, _session_id, idx, _parent, _base, _base_len, _tail, _n_out,
         output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
         created_at, sampling, _drift, _api, _response_id, abandoned,
     ) = row  # fmt: skip
-    lp = unpack_f32(logprobs)
-    v = unpack_runs(versions)
-    plp, pv = unpack_proximal(lp, v, prox_lp, prox_v)
+    lp, v, plp, pv = _token_arrays(logprobs, versions, prox_lp, prox_v)
     return TurnTokens(
         turn_id=turn_id, index=idx, prompt_ids=prompt, output_ids=unpack_i32(output_ids), output_logprobs=lp,
         versions=v, proximal_logprobs_t=plp, proximal_versions=pv, spliced=bool(spliced), fork_reason=fork_reason,
@@ -485,9 +490,7 @@ def _turn(row, prompt: np.ndarray) -> TurnRecord:
         output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
         created_at, sampling, drift, api, response_id, abandoned,
     ) = row  # fmt: skip
-    lp = unpack_f32(logprobs)
-    v = unpack_runs(versions)
-    plp, pv = unpack_proximal(lp, v, prox_lp, prox_v)
+    lp, v, plp, pv = _token_arrays(logprobs, versions, prox_lp, prox_v)
     return TurnRecord(
         turn_id=turn_id,
         session_id=session_id,
