@@ -14,6 +14,7 @@ from typing import Callable
 from . import leases
 from .db import Database
 from .errors import Conflict, NotFound, StoreError
+from .images import ImageRef, ImageTable, StoredImage
 from .pool import TrainingPool
 from .records import SessionRecord, TurnRecord
 from .responses import ResponseTable, StoredResponse
@@ -22,6 +23,9 @@ from .sessions import SessionTable
 from .turns import Candidate, TurnTable
 
 __all__ = [
+    "ImageRef",
+    "ImageTable",
+    "StoredImage",
     "Candidate",
     "Conflict",
     "NotFound",
@@ -52,6 +56,7 @@ class Store:
         self.sessions = SessionTable(self.db, clock)
         self.responses = ResponseTable(self.db, clock)
         self.turns = TurnTable(self.db, self.sessions, self.responses, clock)
+        self.images = ImageTable(self.db, clock)
         self.pool = TrainingPool(self.db, self.turns, clock)
 
     def close(self) -> None:

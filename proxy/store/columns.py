@@ -44,6 +44,15 @@ TURN = pa.struct(
     ]
 )
 
+IMAGE = pa.struct(
+    [
+        ("hash", pa.string()),
+        ("offset", pa.int32()),
+        ("length", pa.int32()),
+        ("grid_thw", pa.list_(pa.int32())),
+    ]
+)
+
 _ARROW_TYPES = {np.dtype("<i4"): pa.int32(), np.dtype("<f4"): pa.float32(), np.dtype("u1"): pa.uint8()}
 
 SCHEMA = pa.schema(
@@ -58,6 +67,7 @@ SCHEMA = pa.schema(
         ("n_tokens", pa.int32()),
         ("turn_ids", pa.list_(pa.string())),
         ("turns", pa.list_(TURN)),
+        ("images", pa.list_(IMAGE)),
     ]
     + [(name, pa.list_(_ARROW_TYPES[dtype])) for name, dtype in TOKEN_ARRAYS.items()]
 )

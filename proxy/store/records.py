@@ -59,6 +59,7 @@ class TurnRecord:
     api: str  # "responses" or "chat"
     response_id: str
     abandoned: bool = False  # the client went away before it was delivered: never trained on
+    images: tuple = ()  # ImageRef of every image in the prompt, in prompt order (proxy.store.images)
 
     @property
     def full_ids(self) -> list[int]:
@@ -104,4 +105,5 @@ class TurnRecord:
             "api": self.api,
             "response_id": self.response_id,
             "abandoned": self.abandoned,
+            "images": [r.to_dict() for r in self.images],
         }

@@ -22,7 +22,7 @@ from .records import SessionRecord, TurnRecord
 
 log = logging.getLogger(__name__)
 
-SAMPLE_SCHEMA_VERSION = 1  # bump on any change of the sample's shape (docs/samples.md)
+SAMPLE_SCHEMA_VERSION = 2  # bump on any change of the sample's shape (docs/samples.md)
 
 U8 = np.dtype("u1")
 # name -> dtype of every per-token array, in wire order
@@ -78,6 +78,7 @@ class TurnTokens:
     finish_reason: str
     created_at: float
     requested_sampling: dict
+    images: tuple = ()  # ImageRef of every image in the prompt (proxy.store.images)
     abandoned: bool = False
 
     @classmethod
@@ -94,6 +95,7 @@ class TurnTokens:
             proximal_versions=np.asarray(turn.proximal_versions, dtype=np.int64).astype(I32),
             spliced=turn.spliced, fork_reason=turn.fork_reason, finish_reason=turn.finish_reason,
             created_at=turn.created_at, requested_sampling=turn.requested_sampling or {}, abandoned=turn.abandoned,
+            images=tuple(turn.images),
         )  # fmt: skip
 
     def check(self) -> None:
@@ -145,6 +147,9 @@ class Sample:
     # False when a turn was sampled with the agent's own settings (``--sampling honor``): its
     # behaviour logprobs come from another distribution than the trainer's.
     trainable: bool = True
+    # Every image in ``input_ids`` (ImageRef: hash, offset of its first placeholder, count, grid);
+    # its bytes come from ``GET /v1/images/{hash}``.
+    images: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.input_ids.size)
@@ -169,6 +174,7 @@ class Sample:
             "n_tokens": len(self),
             "turn_ids": self.turn_ids,
             "turns": [asdict(t) for t in self.turns],
+            "images": [r.to_dict() for r in self.images],
         }
 
     def to_json(self) -> dict:
@@ -213,6 +219,7 @@ class _Plan:
     sample: Sample
     ids: np.ndarray
     parts: list[_Part] = field(default_factory=list)
+    images: tuple = ()
 
     def __len__(self) -> int:
         return int(self.ids.size)
@@ -267,6 +274,7 @@ def assemble_samples(session: SessionRecord, turns: "Iterable[TurnRecord | TurnT
                   turn.proximal_versions, (turn.requested_sampling or {}).get("trainable") is not False)
         )  # fmt: skip
         plan.ids = np.concatenate([prompt, turn.output_ids])
+        plan.images = turn.images  # the prompt's images; an output holds none
     return [_fill(p) for p in plans]
 
 
@@ -274,6 +282,7 @@ def _fill(plan: _Plan) -> Sample:
     """The arrays of a planned sample: context tokens 0 / -1, each turn's output in place."""
     s, n = plan.sample, len(plan)
     s.input_ids = plan.ids
+    s.images = list(plan.images)
     s.loss_mask = np.zeros(n, U8)
     s.logprobs = np.zeros(n, F32)
     s.versions = np.full(n, -1, I32)

@@ -6,7 +6,7 @@ import sqlite3
 
 from .errors import StoreError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -110,6 +110,25 @@ CREATE TABLE IF NOT EXISTS leases (
     session_ids BLOB NOT NULL           -- orjson list, kept for auditing after the lease ends
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS leases_active ON leases(expires_at) WHERE state = 'active';
+
+-- Images, once per content hash (sha256 over the decoded pixels); a turn records where each
+-- image of its prompt sits (orjson [[hash, offset, length, grid_t, grid_h, grid_w], ...]).
+CREATE TABLE IF NOT EXISTS images (
+    hash       TEXT PRIMARY KEY,
+    mime       TEXT NOT NULL,
+    width      INTEGER NOT NULL,
+    height     INTEGER NOT NULL,
+    grid_t     INTEGER NOT NULL,
+    grid_h     INTEGER NOT NULL,
+    grid_w     INTEGER NOT NULL,
+    nbytes     INTEGER NOT NULL,
+    data       BLOB NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS turn_images (
+    turn_seq INTEGER PRIMARY KEY,
+    refs     BLOB NOT NULL
+);
 """
 
 
@@ -122,7 +141,11 @@ def _v2_to_v3(c: sqlite3.Connection) -> None:
     c.execute("DROP TABLE fingerprints_v2")
 
 
-_MIGRATIONS = {2: _v2_to_v3}
+def _v3_to_v4(c: sqlite3.Connection) -> None:
+    """Image tables (created by the schema script); no existing row changes."""
+
+
+_MIGRATIONS = {2: _v2_to_v3, 3: _v3_to_v4}
 
 
 class SchemaError(StoreError):

@@ -21,6 +21,7 @@ import orjson
 
 from .db import Database
 from .errors import Conflict, NotFound
+from .images import StoredImage, pack_refs, unpack_refs, write_images
 from .lru import LRU
 from .packing import (
     F32,
@@ -43,8 +44,9 @@ SELECT = (
     "SELECT t.seq, t.turn_id, t.session_id, t.idx, t.parent_turn_id, t.prompt_base, t.prompt_base_len, "
     "t.prompt_tail, t.n_output, t.output_ids, t.logprobs, t.versions, p.prox_logprobs, p.prox_versions, "
     "t.spliced, t.fork_reason, t.finish_reason, t.created_at, sm.json, t.drift, t.api, t.response_id, "
-    "EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq) "
+    "EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq), ti.refs "
     "FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq JOIN samplings sm ON sm.id = t.sampling_id "
+    "LEFT JOIN turn_images ti ON ti.turn_seq = t.seq "
 )
 
 
@@ -92,10 +94,13 @@ class TurnTable:
         fingerprints: Sequence[bytes] = (),
         response: StoredResponse | None = None,
         session_fields: dict | None = None,
+        new_images: Sequence[StoredImage] = (),
     ) -> TurnRecord:
         """Commit a finished turn, in one transaction with what belongs to it: its session
         (created or filled in from ``session_fields`` when given), the history fingerprints that
         lead to it and, for a Responses turn, its stored response. Durable when this returns.
+        ``new_images``: images of the prompt that may not be stored yet (stored once per hash);
+        ``turn.images`` says where every image of the prompt sits.
 
         ``turn.index`` < 0 means "the session's next index", assigned inside the transaction.
         Returns the turn as stored.
@@ -159,6 +164,10 @@ class TurnTable:
             )
             seq = cur.lastrowid
             write_proximal(c, seq, logprobs, versions, prox, prox_versions)
+            if new_images:
+                write_images(c, new_images, self.clock())
+            if turn.images:
+                c.execute("INSERT INTO turn_images (turn_seq, refs) VALUES (?, ?)", (seq, pack_refs(turn.images)))
             c.execute("INSERT INTO item_ids (item_id, turn_seq) VALUES (?, ?)", (turn.response_id, seq))
             if fingerprints:
                 c.executemany(
@@ -473,14 +482,14 @@ def _tokens(row, prompt: np.ndarray) -> TurnTokens:
     (
         _seq, turn_id, _session_id, idx, _parent, _base, _base_len, _tail, _n_out,
         output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
-        created_at, sampling, _drift, _api, _response_id, abandoned,
+        created_at, sampling, _drift, _api, _response_id, abandoned, image_refs,
     ) = row  # fmt: skip
     lp, v, plp, pv = _token_arrays(logprobs, versions, prox_lp, prox_v)
     return TurnTokens(
         turn_id=turn_id, index=idx, prompt_ids=prompt, output_ids=unpack_i32(output_ids), output_logprobs=lp,
         versions=v, proximal_logprobs_t=plp, proximal_versions=pv, spliced=bool(spliced), fork_reason=fork_reason,
         finish_reason=finish_reason, created_at=created_at, requested_sampling=orjson.loads(sampling),
-        abandoned=bool(abandoned),
+        abandoned=bool(abandoned), images=unpack_refs(image_refs),
     )  # fmt: skip
 
 
@@ -488,7 +497,7 @@ def _turn(row, prompt: np.ndarray) -> TurnRecord:
     (
         _seq, turn_id, session_id, idx, parent, _base, _base_len, _tail, _n_out,
         output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
-        created_at, sampling, drift, api, response_id, abandoned,
+        created_at, sampling, drift, api, response_id, abandoned, image_refs,
     ) = row  # fmt: skip
     lp, v, plp, pv = _token_arrays(logprobs, versions, prox_lp, prox_v)
     return TurnRecord(
@@ -511,4 +520,5 @@ def _turn(row, prompt: np.ndarray) -> TurnRecord:
         api=api,
         response_id=response_id,
         abandoned=bool(abandoned),
+        images=unpack_refs(image_refs),
     )
