@@ -3,8 +3,8 @@
 Three credentials, each optional:
 
 - the agent API key (``--api-key``): the routes agents call (Responses, Chat, Messages, models);
-- the admin token (``--admin-token``): the trainer's routes: pulls and acks, ``/admin/*``, and
-  the session routes (listing, reading, rewards);
+- the admin token (``--admin-token``): the trainer's routes: pulls and acks, stored images
+  (``/v1/images/*``), ``/admin/*``, and the session routes (listing, reading, rewards);
 - the reward token (``--reward-token``): a grader's credential: rewards and session
   listing / reading, nothing else.
 
@@ -35,7 +35,7 @@ def access_of(path: str) -> Access:
     """Which credential a path needs."""
     if path in OPEN_PATHS:
         return Access.OPEN
-    if path.startswith(("/admin/", "/v1/trajectories/")) or path == "/admin":
+    if path.startswith(("/admin/", "/v1/trajectories/", "/v1/images/")) or path == "/admin":
         return Access.TRAINER
     if path == "/v1/sessions" or path.startswith("/v1/sessions/"):
         return Access.SESSIONS

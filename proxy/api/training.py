@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from fastapi import APIRouter, Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from engines.types import EngineError
 
@@ -48,6 +48,23 @@ def training_router(store: Store, recompute: RecomputeScheduler, settings: Setti
         except ValueError:
             raise APIError(400, "cursor is not one this proxy issued", code="invalid_value", param="cursor") from None
         return JSONResponse({"object": "list", "data": page.sessions, "has_more": page.next_cursor is not None, "next_cursor": page.next_cursor})
+
+    @r.get("/v1/images/{image_hash}")
+    async def get_image(image_hash: str):
+        """A stored image's bytes as the agent sent them (``sha256`` of its decoded pixels, as in a
+        sample's ``images``); immutable, so cacheable forever."""
+        if len(image_hash) != 64 or any(ch not in "0123456789abcdef" for ch in image_hash):
+            raise APIError(400, "an image hash is 64 lowercase hex digits (sha256)", code="invalid_value", param="image_hash")
+        im = await asyncio.to_thread(store.images.get, image_hash)
+        if im is None:
+            raise APIError(404, f"No image with hash '{image_hash}'.", code="image_not_found")
+        headers = {
+            "cache-control": "public, max-age=31536000, immutable",
+            "etag": f'"{image_hash}"',
+            "x-splice-image-grid": ",".join(map(str, im.grid_thw)),
+            "x-splice-image-size": f"{im.width}x{im.height}",
+        }
+        return Response(im.data, media_type=im.mime, headers=headers)
 
     @r.get("/v1/sessions/{session_id:path}")  # ids may hold "/" (sent as %2F or as is)
     async def get_session(session_id: str):
