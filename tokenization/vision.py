@@ -37,7 +37,13 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|imag
 
 
 class ImageError(ValueError):
-    """An image Splice cannot use; the message says why (the API answers 400 with it)."""
+    """An image Splice cannot use; the message says why (the API answers 400 with it).
+
+    ``code``: ``image_too_large`` (bytes or pixels over a limit) or ``invalid_image``."""
+
+    def __init__(self, message: str, code: str = "invalid_image"):
+        super().__init__(message)
+        self.code = code
 
 
 class VisionNotSupported(ImageError):
@@ -228,7 +234,7 @@ def decode_image(data: bytes, spec: VisionSpec, limits: ImageLimits = ImageLimit
     if not data:
         raise ImageError("image data is empty")
     if len(data) > limits.max_bytes:
-        raise ImageError(f"image is {len(data)} bytes, above the limit of {limits.max_bytes} bytes")
+        raise ImageError(f"image is {len(data)} bytes, above the limit of {limits.max_bytes} bytes", "image_too_large")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -236,7 +242,7 @@ def decode_image(data: bytes, spec: VisionSpec, limits: ImageLimits = ImageLimit
     except UnidentifiedImageError:
         raise ImageError("image data is not an image Splice can read (expected PNG, JPEG, WebP or GIF)") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ImageError(f"image has more than {limits.max_pixels} pixels") from None
+        raise ImageError(f"image has more than {limits.max_pixels} pixels", "image_too_large") from None
     except Exception as exc:  # noqa: BLE001 - any decoder failure is the image's fault
         raise ImageError(f"image cannot be decoded ({type(exc).__name__})") from None
     fmt = img.format
@@ -246,7 +252,7 @@ def decode_image(data: bytes, spec: VisionSpec, limits: ImageLimits = ImageLimit
     if width <= 0 or height <= 0:
         raise ImageError(f"image has an empty side ({width}x{height})")
     if width * height > limits.max_pixels:
-        raise ImageError(f"image is {width}x{height} = {width * height} pixels, above the limit of {limits.max_pixels}")
+        raise ImageError(f"image is {width}x{height} = {width * height} pixels, above the limit of {limits.max_pixels}", "image_too_large")
     ratio = max(width, height) / min(width, height)
     if ratio > limits.max_aspect_ratio:
         raise ImageError(f"image aspect ratio {ratio:.1f} ({width}x{height}) is above {limits.max_aspect_ratio:g}")
@@ -272,9 +278,9 @@ def decode_image(data: bytes, spec: VisionSpec, limits: ImageLimits = ImageLimit
 def check_limits(info: ImageInfo, limits: ImageLimits) -> None:
     """The limits ``decode_image`` checks, for an image decoded earlier (under other limits)."""
     if len(info.data) > limits.max_bytes:
-        raise ImageError(f"image is {len(info.data)} bytes, above the limit of {limits.max_bytes} bytes")
+        raise ImageError(f"image is {len(info.data)} bytes, above the limit of {limits.max_bytes} bytes", "image_too_large")
     if info.width * info.height > limits.max_pixels:
-        raise ImageError(f"image is {info.width}x{info.height} = {info.width * info.height} pixels, above the limit of {limits.max_pixels}")
+        raise ImageError(f"image is {info.width}x{info.height} = {info.width * info.height} pixels, above the limit of {limits.max_pixels}", "image_too_large")
     ratio = max(info.width, info.height) / min(info.width, info.height)
     if ratio > limits.max_aspect_ratio:
         raise ImageError(f"image aspect ratio {ratio:.1f} ({info.width}x{info.height}) is above {limits.max_aspect_ratio:g}")
@@ -302,7 +308,7 @@ class ImageCache:
     def decode(self, data: bytes, spec: VisionSpec, limits: ImageLimits = ImageLimits()) -> ImageInfo:
         """``decode_image(data, spec, limits)``, decoding each distinct encoding once."""
         if len(data) > limits.max_bytes:
-            raise ImageError(f"image is {len(data)} bytes, above the limit of {limits.max_bytes} bytes")
+            raise ImageError(f"image is {len(data)} bytes, above the limit of {limits.max_bytes} bytes", "image_too_large")
         key = (hashlib.blake2b(data, digest_size=20).digest(), spec)
         with self._lock:
             info = self._items.get(key)

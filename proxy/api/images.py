@@ -99,7 +99,7 @@ def _url_source(url: Any, where: str) -> ImageSource:
 def b64_bytes(text: str, limits: ImageLimits) -> bytes:
     """Base64 text -> bytes; ``ImageError`` when it is not base64 or decodes above the limit."""
     if len(text) * 3 // 4 > limits.max_bytes + 3:  # checked before decoding anything
-        raise ImageError(f"image is about {len(text) * 3 // 4} bytes, above the limit of {limits.max_bytes} bytes")
+        raise ImageError(f"image is about {len(text) * 3 // 4} bytes, above the limit of {limits.max_bytes} bytes", "image_too_large")
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
@@ -111,8 +111,7 @@ def b64_bytes(text: str, limits: ImageLimits) -> bytes:
 
 
 def _code(exc: ImageError) -> str:
-    msg = str(exc)
-    return "image_too_large" if "above the limit" in msg else "invalid_image"
+    return getattr(exc, "code", "invalid_image")
 
 
 @dataclass
@@ -223,12 +222,12 @@ class ImageInput:
                     return ImageError(f"fetching the image URL gave HTTP {resp.status_code}")
                 declared = resp.headers.get("content-length")
                 if declared and declared.isdigit() and int(declared) > self.limits.max_bytes:
-                    return ImageError(f"image is {declared} bytes, above the limit of {self.limits.max_bytes} bytes")
+                    return ImageError(f"image is {declared} bytes, above the limit of {self.limits.max_bytes} bytes", "image_too_large")
                 buf = bytearray()
                 async for chunk in resp.aiter_bytes():
                     buf += chunk
                     if len(buf) > self.limits.max_bytes:
-                        return ImageError(f"image is more than {self.limits.max_bytes} bytes, above the limit of {self.limits.max_bytes} bytes")
+                        return ImageError(f"image is larger than the limit of {self.limits.max_bytes} bytes", "image_too_large")
                 return bytes(buf)
 
         try:

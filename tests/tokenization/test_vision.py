@@ -182,8 +182,12 @@ def test_decode_errors(folders):
     Image.new("RGB", (8, 8)).save(buf, format="BMP")
     with pytest.raises(ImageError, match="format BMP is not supported"):
         decode_image(buf.getvalue(), spec)
-    with pytest.raises(ImageError, match="pixels, above the limit"):
+    with pytest.raises(ImageError, match="pixels, above the limit") as ei:
         decode_image(png(300, 300), spec, ImageLimits(max_pixels=300 * 299))
+    assert ei.value.code == "image_too_large"
+    with pytest.raises(ImageError) as ei:
+        decode_image(b"GIF89a nonsense", spec)
+    assert ei.value.code == "invalid_image"
 
 
 def test_decompression_bomb_is_refused_before_decoding(folders):
