@@ -110,7 +110,8 @@ def test_first_turn_equals_the_processor(cf, tok, spec, processor, sizes, with_t
 
 
 def test_four_turns_with_a_new_screenshot_each_turn_stay_spliced(cf, tok, spec, processor):
-    """Every turn: previous prompt + sampled ids + bridge == the processor's full render."""
+    """Every turn: previous prompt + sampled ids + bridge == the processor's full render. Turns
+    1-4 each add a screenshot (in a user message or a tool result); turn 5 adds text only."""
     shots = [screenshot(200 + 90 * k, 120 + 40 * k, seed=10 + k) for k in range(4)]
     infos = [decode_image(s, spec) for s in shots]
     history = [Message("system", "You operate a computer.")]
@@ -118,29 +119,33 @@ def test_four_turns_with_a_new_screenshot_each_turn_stay_spliced(cf, tok, spec, 
     prompt: list[int] | None = None
     output: list[int] = []
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    for k in range(4):
+    for k in range(5):
         if prompt is None:
             history = history + new
             prompt = cf.render(history, TOOLS)
         else:
             res = cf.bridge(prompt, output, new, tools=TOOLS, history=history)
             assert res.ok, res.reason
-            # the bridge expands only the new images: one span, the new screenshot's
-            assert find_image_spans(res.ids, spec) == [(res.ids.index(IMAGE_PAD_ID), infos[k].n_tokens)]
+            # the bridge expands only the new images: one span, the new screenshot's (none on turn 5)
+            want = [(res.ids.index(IMAGE_PAD_ID), infos[k].n_tokens)] if k < 4 else []
+            assert find_image_spans(res.ids, spec) == want
             history = history + new
             prompt = prompt + output + res.ids
         ref_ids, grids = reference(processor, tok, [ref_message(m) for m in history], shots[: k + 1], TEMPLATE_TOOLS)
         assert prompt == ref_ids, f"turn {k}"
         spans = image_spans(prompt, message_images(history), spec)
         assert [s.length for s in spans] == [g[0] * g[1] * g[2] // 4 for g in grids] == [i.n_tokens for i in infos[: k + 1]]
+        assert [s.hash for s in spans] == [i.hash for i in infos[: k + 1]]
         # the model answers with a tool call; the tool's result carries the next screenshot
         call = ToolCall(f"call_{k}", "click", json.dumps({"x": 10 * k, "y": 5}))
         output = tok.encode(f'<tool_call>\n{{"name": "click", "arguments": {call.arguments}}}\n</tool_call>', add_special_tokens=False) + [im_end]
         history = history + [Message("assistant", "", tool_calls=(call,))]
-        if k % 2 == 0:
-            new = [Message.from_parts("tool", ["clicked", infos[k + 1] if k + 1 < 4 else "done"], tool_call_id=call.id)]
+        if k >= 3:
+            new = [Message("tool", "clicked", tool_call_id=call.id), Message("user", "Anything else?")]
+        elif k % 2 == 0:
+            new = [Message.from_parts("tool", ["clicked", infos[k + 1]], tool_call_id=call.id)]
         else:
-            new = [Message("tool", "clicked", tool_call_id=call.id), Message.from_parts("user", [infos[k + 1] if k + 1 < 4 else "", "Now?"])]
+            new = [Message("tool", "clicked", tool_call_id=call.id), Message.from_parts("user", [infos[k + 1], "Now?"])]
 
 
 def test_text_spelling_vision_tokens_stays_text(cf, tok, spec, processor):
