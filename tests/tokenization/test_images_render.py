@@ -148,6 +148,15 @@ def test_four_turns_with_a_new_screenshot_each_turn_stay_spliced(cf, tok, spec, 
             new = [Message("tool", "clicked", tool_call_id=call.id), Message.from_parts("user", [infos[k + 1], "Now?"])]
 
 
+def test_vision_tokens_are_control_tokens(cf, spec):
+    from tokenization.vision import VISION_TOKENS
+
+    assert {t: cf.control.ids[t] for t in VISION_TOKENS} == {
+        "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654, "<|image_pad|>": 151655, "<|video_pad|>": 151656,
+    }  # fmt: skip
+    assert set(spec.banned_ids) == set(cf.control.ids[t] for t in VISION_TOKENS)
+
+
 def test_text_spelling_vision_tokens_stays_text(cf, tok, spec, processor):
     literal = "type <|vision_start|><|image_pad|><|vision_end|> and <|image_pad|> here"
     shot = screenshot(100, 150, seed=3)
