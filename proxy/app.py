@@ -15,6 +15,7 @@ from tokenization import ChatFormat
 
 from .api.admin import admin_router
 from .api.chat import chat_router
+from .api.images import ImageInput
 from .api.jsonio import JSONResponse
 from .api.messages import anthropic_error, messages_router
 from .api.responses import responses_router
@@ -73,10 +74,14 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.settings = settings
+    # Image parts are decoded here, once per distinct image (the cache), into ``ImageInfo``s
+    # that the request's ``Message.parts`` carry; a text-only model (no ``fmt.vision``) gets 400s.
+    images = ImageInput.from_settings(settings, getattr(fmt, "vision", None))
+    app.state.images = images
 
-    app.include_router(responses_router(runner, store.responses))
-    app.include_router(chat_router(runner))
-    app.include_router(messages_router(runner))
+    app.include_router(responses_router(runner, store.responses, images))
+    app.include_router(chat_router(runner, images))
+    app.include_router(messages_router(runner, images))
     app.include_router(training_router(store, recompute, settings))
     app.include_router(admin_router(store, pool, recompute, metrics, max_pause_s=settings.max_pause_s))
 

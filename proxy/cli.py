@@ -46,6 +46,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-request-bytes", type=int, help="largest request body accepted (default 32 MiB)")
     p.add_argument("--max-header-bytes", type=int, help="largest request line + headers accepted (default 64 KiB; larger: 431)")
     p.add_argument("--header-timeout-s", type=float, help="time a client has to send its request headers (default 10; then 408)")
+    p.add_argument("--allow-image-urls", action="store_true", default=None,
+                   help="fetch http(s) image URLs in requests (default: only inline base64 images; a URL is a 400)")
+    p.add_argument("--max-image-bytes", type=int, help="largest encoded image accepted, inline or fetched (default 20 MiB)")
+    p.add_argument("--max-image-pixels", type=int, help="largest decoded image, width x height (default 50,000,000)")
+    p.add_argument("--max-images-per-request", type=int, help="image parts one request may carry, history included (default 64)")
+    p.add_argument("--image-fetch-timeout-s", type=float, help="time limit to fetch one image URL (default 10)")
     p.add_argument("--reference-model", metavar="DIR", help="model dir for the bundled engine (created if missing)")
     p.add_argument("--reference-script", metavar="FILE")
     p.add_argument("--reference-script-delay-ms", type=int)
@@ -99,6 +105,7 @@ def build(settings: Settings):
 def _build_proxy(settings: Settings, urls: list[str], tokenizer_path: str | None, renderer: str | None):
     from engines.pool import EnginePool
     from tokenization import ChatFormat, load_tokenizer, renderer_name_for
+    from tokenization.vision import VisionSpec
 
     kind = "vllm" if settings.engine == "vllm" else "sglang"
     if not tokenizer_path:
@@ -111,7 +118,9 @@ def _build_proxy(settings: Settings, urls: list[str], tokenizer_path: str | None
             "Pass --tokenizer PATH_OR_ID with the tokenizer of the model the engine serves."
         ) from None
     name = renderer_name_for(settings.model_name, renderer) if renderer != "generic" else None
-    fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention)
+    # A vision model's folder has the image processor's config: images are then accepted.
+    vision = VisionSpec.from_model_dir(tokenizer_path, tok) if os.path.isdir(tokenizer_path) else None
+    fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention, vision=vision)
     pool = EnginePool(
         kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s, routing=settings.routing,
         prefill_concurrency=settings.recompute_concurrency,

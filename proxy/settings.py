@@ -58,6 +58,14 @@ class Settings(BaseSettings):
     max_inflight: int = Field(default_factory=lambda: default_max_inflight())  # concurrent turns, then a wait, then 429
     admission_wait_s: float = 2.0  # how long a request beyond max_inflight waits for a slot before 429
     engine_timeout_s: float = 600.0  # total deadline of one engine call (not per read)
+    # Images (vision models: a tokenizer folder with a Qwen2-VL preprocessor_config.json).
+    allow_image_urls: bool = False  # fetch http(s) image URLs; off: only inline base64 images (a URL is a 400)
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, ge=1)  # one encoded image (inline or fetched)
+    max_image_pixels: int = Field(default=50_000_000, ge=1)  # one decoded image: width x height (decompression bombs)
+    max_images_per_request: int = Field(default=64, ge=0)  # image parts in one request, history included
+    image_fetch_timeout_s: float = Field(default=10.0, gt=0)  # total time to fetch one image URL
+    image_cache_entries: int = Field(default=1024, ge=1)  # decoded images remembered (agents resend history images)
+    image_cache_bytes: int = Field(default=512 * 1024 * 1024, ge=0)  # encoded bytes the decode cache may hold
     reference_model: str | None = None  # model dir for the bundled engine (created if missing)
     reference_script: str | None = None  # script file for the bundled engine
     reference_script_delay_ms: int = 0

@@ -35,8 +35,9 @@ from typing import Callable
 
 from renderers.base import should_rerender_for_thinking_retention
 
-from .conversation import Message, Tool, to_renderer_messages, to_renderer_tools, to_template_tools
+from .conversation import Message, Tool, has_images, message_images, to_renderer_messages, to_renderer_tools, to_template_tools
 from .template import ControlTokens
+from .vision import VisionSpec, expand_image_pads
 
 MARKER = "\u2063splice\u2063marker\u2063"
 
@@ -80,7 +81,8 @@ class RendererBridge:
     ``renderer_for(kwargs)`` gives the renderer configured for a request's template kwargs, or
     ``None`` when the renderer cannot mirror them; ``fallback`` (a ``GenericBridge`` over the
     model's chat template) then bridges the turn. ``control`` finds control-token text in new
-    messages, which the hand-coded renderer would encode as control tokens.
+    messages, which the hand-coded renderer would encode as control tokens. New messages with
+    images go to ``fallback`` too (hand-coded renderers render text content only).
     """
 
     def __init__(
@@ -112,7 +114,8 @@ class RendererBridge:
         reason = precheck(new_messages)
         if reason:
             return refuse(reason)
-        msgs = to_renderer_messages(new_messages)
+        images = has_images(new_messages)
+        msgs = to_renderer_messages(new_messages, images=False)
         kwargs = self.template_kwargs if template_kwargs is None else dict(template_kwargs)
         if self._renderer_for is not None:
             renderer = self._renderer_for(kwargs)
@@ -124,8 +127,10 @@ class RendererBridge:
         if should_rerender_for_thinking_retention(retention, msgs, **qkw):
             return refuse("thinking_stripped")
         special_text = self.control is not None and self.control.in_any(msgs)
-        if renderer is None or special_text:
+        if renderer is None or special_text or images:
             if self.fallback is None:
+                if images:
+                    return refuse("images_need_template")
                 return refuse("special_token_text" if renderer is not None else "template_kwargs_unsupported")
             return self.fallback.bridge(
                 prev_prompt_ids, prev_output_ids, new_messages, tools=tools, history=history, template_kwargs=kwargs
@@ -189,8 +194,10 @@ class GenericBridge:
         template_kwargs: dict[str, Any] | None = None,
         encoder=None,
         control: ControlTokens | None = None,
+        vision: VisionSpec | None = None,
     ):
         self.tokenizer = tokenizer
+        self.vision = vision
         self.control = control or ControlTokens(tokenizer, encoder)
         self.template_kwargs = dict(template_kwargs or {})
         self._keep_developer = "developer" in str(getattr(tokenizer, "chat_template", "") or "")
@@ -246,6 +253,9 @@ class GenericBridge:
             return refuse(reason)
         if not history or history[-1].role != "assistant":
             return refuse("no_assistant_turn")
+        images = message_images(new_messages)
+        if images and self.vision is None:
+            return refuse("images_not_supported")
         kwargs = self.template_kwargs if template_kwargs is None else dict(template_kwargs)
         ctx = to_renderer_messages(self._context(history), keep_developer=self._keep_developer)
         new = to_renderer_messages(new_messages, keep_developer=self._keep_developer)
@@ -284,4 +294,12 @@ class GenericBridge:
         elif prev_output_ids and prev_output_ids[-1] in self._special and close_ids and close_ids[0] in self._special:
             # Sampled a different terminator (e.g. EOS instead of end-of-turn): cannot prove.
             return refuse("unknown_turn_close")
+        if self.vision is not None:
+            # The template wrote one pad per image of the new messages (the context's images sit
+            # before the marker): each becomes its image's placeholder span.
+            pad = self.vision.image_pad_id
+            if pad in close_ids or sum(1 for t in delta_ids if t == pad) != len(images):
+                return refuse("image_count_mismatch")
+            if images:
+                delta_ids = expand_image_pads(delta_ids, images, pad)
         return BridgeResult(ids=close_ids + delta_ids)

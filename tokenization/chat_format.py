@@ -23,12 +23,13 @@ from renderers import create_renderer
 from renderers.configs import DefaultRendererConfig
 
 from .bridge import BridgeResult, GenericBridge, RendererBridge, RendererCache
-from .conversation import Message, Tool, to_renderer_messages, to_renderer_tools, to_template_tools
+from .conversation import Message, Tool, message_images, to_renderer_messages, to_renderer_tools, to_template_tools
 from .fast_tokenizer import FastTokenizer
 from .incremental import IncrementalDecoder, generation_starts_in_reasoning, reasoning_token_count, token_bytes
 from .loader import make_renderer
 from .parse import ParsedOutput, parse_output
 from .template import ControlTokens, TemplateRenderer
+from .vision import VisionNotSupported, VisionSpec, expand_image_pads
 
 
 def _generic_renderer(tokenizer, template_kwargs: dict[str, Any] | None):
@@ -49,16 +50,18 @@ class ChatFormat:
         *,
         thinking_retention: str = "all",
         template_kwargs: dict[str, Any] | None = None,
+        vision: VisionSpec | None = None,
     ):
         self.tokenizer = tokenizer
         self.renderer_name = renderer_name
+        self.vision = vision
         self.thinking_retention = thinking_retention
         self.template_kwargs = dict(template_kwargs or {})
         fast = FastTokenizer(tokenizer)
         self.control = ControlTokens(tokenizer, fast)
         self.template = TemplateRenderer(tokenizer, self.control)
         template_bridge = (
-            GenericBridge(tokenizer, template_kwargs=self.template_kwargs, encoder=fast, control=self.control)
+            GenericBridge(tokenizer, template_kwargs=self.template_kwargs, encoder=fast, control=self.control, vision=vision)
             if self.template.available
             else None
         )
@@ -85,7 +88,7 @@ class ChatFormat:
             self.renderer = _generic_renderer(tokenizer, template_kwargs)
             self._renderers = None
             self._bridge = template_bridge or GenericBridge(
-                tokenizer, template_kwargs=self.template_kwargs, encoder=fast, control=self.control
+                tokenizer, template_kwargs=self.template_kwargs, encoder=fast, control=self.control, vision=vision
             )
         self._stop_ids = frozenset(self.renderer.get_stop_token_ids())
         self._starts_in_reasoning: bool | None = None
@@ -163,14 +166,22 @@ class ChatFormat:
         add_generation_prompt=..., **kwargs)`` except that text spelling a control token is
         encoded as text. ``developer`` messages are ``system`` messages to a template that has
         no developer role.
+
+        Images (messages with image parts): the template writes one ``<|image_pad|>`` per image;
+        each is expanded to the image's ``n_tokens`` pads, images in prompt order, as the
+        model's processor expands them. ``VisionNotSupported`` without a ``VisionSpec``.
         """
         self.render_calls += 1
         kwargs = self.merged_template_kwargs(template_kwargs)
+        images = message_images(messages)
+        if images:
+            self.check_images()
         if self.template.available:
             msgs = to_renderer_messages(messages, keep_developer=self.template.keeps_developer_role)
-            return self.template.render_ids(
+            ids = self.template.render_ids(
                 msgs, to_template_tools(tools), add_generation_prompt=add_generation_prompt, template_kwargs=kwargs
             )
+            return expand_image_pads(ids, images, self.vision.image_pad_id) if images else ids
         renderer = self._renderers(kwargs) if self._renderers is not None else None
         if renderer is None:
             raise ValueError(f"this tokenizer has no chat template and its renderer cannot apply {sorted(kwargs)}")
@@ -179,6 +190,13 @@ class ChatFormat:
                 to_renderer_messages(messages), tools=to_renderer_tools(tools), add_generation_prompt=add_generation_prompt
             )
         )
+
+    def check_images(self) -> None:
+        """``VisionNotSupported`` unless this model takes images (a ``VisionSpec`` and a chat template)."""
+        if self.vision is None:
+            raise VisionNotSupported("this model takes text only: it has no image processor (preprocessor_config.json)")
+        if not self.template.available:
+            raise VisionNotSupported("this tokenizer has no chat template to place images with")
 
     def renderer_tools(self, tools: list[Tool] | None):
         """Tools in the shape ``self.renderer`` takes (flat for a hand-coded renderer). For a full
@@ -204,7 +222,12 @@ class ChatFormat:
         ``template_kwargs``: the request's chat-template kwargs (merged over the construction
         ones). The bridge honours them or refuses; the previous prompt must have been rendered
         with the same kwargs (a change is a fork: ``template_kwargs_changed``).
+
+        Images in ``new_messages`` are expanded in the returned ids as ``render`` expands them
+        (only theirs: the history's images are already in ``prev_prompt_ids``).
         """
+        if message_images(new_messages):
+            self.check_images()
         return self._bridge.bridge(
             prev_prompt_ids,
             prev_output_ids,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Union
+
+from .vision import ImageInfo
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -30,14 +32,58 @@ class ToolCall:
             return self.arguments
 
 
+# One piece of a message's content: text, or an image.
+Part = Union[str, ImageInfo]
+
+
 @dataclass(frozen=True)
 class Message:
+    """One message. ``parts``: the content as ordered text and image parts, set only when the
+    message carries images (then ``content`` is its text parts joined by newlines, for
+    display; the template renders ``parts``)."""
+
     role: Role
     content: str = ""
     reasoning: str | None = None  # assistant only
     tool_calls: tuple[ToolCall, ...] = ()  # assistant only
     tool_call_id: str | None = None  # tool only
     name: str | None = None  # tool only: the function name, when the client gives it
+    parts: tuple[Part, ...] = ()
+
+    @classmethod
+    def from_parts(cls, role: Role, parts, **kw: Any) -> "Message":
+        """A message from ordered parts: with ``parts`` kept only if one of them is an image
+        (a text-only message stays the plain string it always was)."""
+        parts = tuple(parts)
+        text = "\n".join(p for p in parts if isinstance(p, str))
+        if not any(isinstance(p, ImageInfo) for p in parts):
+            return cls(role=role, content=text, **kw)
+        return cls(role=role, content=text, parts=parts, **kw)
+
+    @property
+    def images(self) -> tuple[ImageInfo, ...]:
+        return tuple(p for p in self.parts if isinstance(p, ImageInfo))
+
+    @property
+    def has_images(self) -> bool:
+        return any(isinstance(p, ImageInfo) for p in self.parts)
+
+
+def message_images(messages) -> list[ImageInfo]:
+    """The images of ``messages`` in the order the chat template puts them in the prompt."""
+    return [p for m in messages for p in m.parts if isinstance(p, ImageInfo)]
+
+
+def has_images(messages) -> bool:
+    return any(m.has_images for m in messages)
+
+
+def template_content(msg: Message) -> Any:
+    """The ``content`` a chat template sees: the string, or (with images) a list of
+    ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts in order."""
+    if not msg.has_images:
+        return msg.content
+    return [{"type": "image"} if isinstance(p, ImageInfo) else {"type": "text", "text": p} for p in msg.parts]
 
 
 @dataclass(frozen=True)
@@ -68,15 +114,16 @@ class Tool:
         return {k: v for k, v in self.spec.items() if k not in ("name", "description", "parameters")}
 
 
-def to_renderer_message(msg: Message, *, keep_developer: bool = False) -> dict[str, Any]:
+def to_renderer_message(msg: Message, *, keep_developer: bool = False, images: bool = True) -> dict[str, Any]:
     """Convert to the message dict chat templates and the `renderers` package read.
 
     ``developer`` becomes ``system`` unless ``keep_developer`` (a template that knows the role).
     Tool-call arguments are passed as JSON values, as vLLM and SGLang pass them to templates
-    (the raw text when it is not valid JSON).
+    (the raw text when it is not valid JSON). A message with images has list content
+    (``template_content``); ``images=False`` gives its text only (for checks that read text).
     """
     role = "system" if msg.role == "developer" and not keep_developer else msg.role
-    out: dict[str, Any] = {"role": role, "content": msg.content}
+    out: dict[str, Any] = {"role": role, "content": template_content(msg) if images else msg.content}
     if msg.role == "assistant":
         if msg.reasoning:
             out["reasoning_content"] = msg.reasoning
@@ -97,8 +144,8 @@ def to_renderer_message(msg: Message, *, keep_developer: bool = False) -> dict[s
     return out
 
 
-def to_renderer_messages(messages: list[Message] | tuple[Message, ...], *, keep_developer: bool = False) -> list[dict[str, Any]]:
-    return [to_renderer_message(m, keep_developer=keep_developer) for m in messages]
+def to_renderer_messages(messages: list[Message] | tuple[Message, ...], *, keep_developer: bool = False, images: bool = True) -> list[dict[str, Any]]:
+    return [to_renderer_message(m, keep_developer=keep_developer, images=images) for m in messages]
 
 
 def to_renderer_tools(tools: list[Tool] | tuple[Tool, ...] | None) -> list[dict[str, Any]] | None:
@@ -129,7 +176,9 @@ def _canonical_message(msg: Message, *, system_text: bool = True, arguments: boo
     """
     role = "system" if msg.role == "developer" else msg.role
     calls = [[tc.name, tc.arguments_value()] if arguments else [tc.name] for tc in msg.tool_calls]
-    content = msg.content.strip() if role == "assistant" else msg.content
+    content: Any = msg.content.strip() if role == "assistant" else msg.content
+    if msg.has_images:  # where each image sits and which pixels it holds
+        content = [["image", p.hash] if isinstance(p, ImageInfo) else ["text", p] for p in msg.parts]
     if role == "system" and not system_text:
         content = ""
     return [role, content, calls]

@@ -25,8 +25,9 @@ from tokenization.incremental import CONTENT, REASONING, StopTextFilter, Strippe
 from ..errors import APIError, bad_request
 from ..ids import call_id, chat_completion_id
 from ..session import Presentation, TurnResult, TurnRunner
-from .content import check_tool_choice, name_tool_messages, offer_tools, text_of, tool_choice_control
+from .content import check_tool_choice, message_of, name_tool_messages, offer_tools, text_of, tool_choice_control
 from .context import DialectContext, turn_request
+from .images import ImageInput, ImageRequest
 from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .models import ChatCompletionRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
@@ -68,8 +69,12 @@ def _tool_calls_of(raw: Any, where: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def messages_to_conversation(messages: list[dict[str, Any]]) -> tuple[list[Message], list[str]]:
-    """Chat messages -> ``Message``s; also the tool-call ids they carry, in order."""
+def messages_to_conversation(messages: list[dict[str, Any]], images: ImageRequest | None = None) -> tuple[list[Message], list[str]]:
+    """Chat messages -> ``Message``s; also the tool-call ids they carry, in order.
+
+    ``image_url`` parts of user and tool messages become image parts through ``images`` (a
+    text-only model's requests get a 400)."""
+    images = images if images is not None else ImageRequest(None)
     out: list[Message] = []
     ids: list[str] = []
     for i, m in enumerate(messages):
@@ -80,7 +85,8 @@ def messages_to_conversation(messages: list[dict[str, Any]]) -> tuple[list[Messa
         if role in ("system", "developer", "user"):
             if "content" not in m or m.get("content") is None:
                 raise bad_request(f"{where} ({role}) needs 'content'", code="missing_required_parameter", param=f"{where}.content")
-            out.append(Message(role=role, content=text_of(m.get("content"), f"{where}.content", allow_refusal=False)))
+            imgs = images if role == "user" else None
+            out.append(message_of(role, m.get("content"), f"{where}.content", images=imgs, allow_refusal=False))
         elif role == "assistant":
             calls = _tool_calls_of(m.get("tool_calls"), f"{where}.tool_calls")
             if m.get("function_call") is not None:
@@ -99,7 +105,7 @@ def messages_to_conversation(messages: list[dict[str, Any]]) -> tuple[list[Messa
                 raise bad_request(f"{where} (tool) needs a 'tool_call_id'", code="missing_required_parameter", param=f"{where}.tool_call_id")
             name = m.get("name") if isinstance(m.get("name"), str) else None
             ids.append(tcid)
-            out.append(Message(role="tool", content=text_of(m.get("content"), f"{where}.content"), tool_call_id=tcid, name=name))
+            out.append(message_of("tool", m.get("content"), f"{where}.content", images=images, tool_call_id=tcid, name=name))
         elif role == "function":
             raise bad_request(f"{where}: the deprecated 'function' role is not supported; use 'tool'", code="unsupported_value", param=f"{where}.role")
         else:
@@ -120,13 +126,13 @@ class ChatContext(DialectContext):
         return Presentation(body=body, encoded=dumps(body))
 
 
-def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner) -> ChatContext:
+def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None) -> ChatContext:
     req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
     req.check_supported()
     ts = offer_tools(req.tools, freeform_ok=False)
     tools = ts.tools
     check_tool_choice(req.tool_choice, tools)
-    messages, ids = messages_to_conversation(req.messages)
+    messages, ids = messages_to_conversation(req.messages, images)
     treq = turn_request(
         "chat", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=ids, stop=req.stop_list,
         max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=chat_controls(req),
@@ -300,13 +306,15 @@ async def _chunks(ctx: ChatContext, stream: TurnStream) -> AsyncIterator[bytes]:
 # ============================================================================ router
 
 
-def chat_router(runner: TurnRunner) -> APIRouter:
-    """``POST /v1/chat/completions``."""
+def chat_router(runner: TurnRunner, images: ImageInput | None = None) -> APIRouter:
+    """``POST /v1/chat/completions``. ``images``: the app's image input (None: text only)."""
     router = APIRouter()
 
     @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def post_chat(request: Request):
-        ctx = build(build_chat_context, parse_json_body(await request.body()), request.headers, runner)
+        body = parse_json_body(await request.body())
+        req_images = await images.prepare(body) if images is not None else None
+        ctx = build(build_chat_context, body, request.headers, runner, req_images)
         if not ctx.req.stream:
             result = await run_turn(runner, ctx.turn, request)
             return JSONResponse(result.encoded, headers=splice_headers(result))

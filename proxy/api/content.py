@@ -1,4 +1,4 @@
-"""Content the dialects share: text from content parts, the tools offered to the model (function,
+"""Content the dialects share: text and images from content parts, the tools offered to the model (function,
 namespace and freeform tools; hosted tools reported, not offered), ``tool_choice`` checks and the
 controls Splice records but does not enforce, tool messages named after the call they answer."""
 
@@ -10,25 +10,38 @@ from typing import Any
 
 import orjson
 
-from tokenization.conversation import Message, Tool
+from tokenization.conversation import Message, Part, Tool
 
 from ..errors import bad_request
+from .images import IMAGE_PART_TYPES, ImageRequest
 
 log = logging.getLogger("splice.tools")
 
 TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
+# Parts Splice cannot render; images only where a message takes them and the model has an
+# image processor (``parts_of``).
 UNSUPPORTED_PARTS = {"input_image", "input_file", "input_audio", "image_url", "image", "file", "audio"}
 
 
 def text_of(content: Any, where: str, *, allow_refusal: bool = True) -> str:
     """Text of a string or a list of content parts; images and files are rejected."""
+    return "\n".join(p for p in parts_of(content, where, allow_refusal=allow_refusal) if isinstance(p, str))
+
+
+def parts_of(content: Any, where: str, *, images: ImageRequest | None = None, allow_refusal: bool = True) -> list[Part]:
+    """Ordered text and image parts of a string or a list of content parts.
+
+    ``images``: the request's images, for a message that may carry them (user and tool
+    messages); None: image parts are rejected (400) as in any other message. Files and audio
+    are always rejected.
+    """
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content parts", code="invalid_value", param=where)
-    texts: list[str] = []
+    texts: list[Part] = []
     for j, part in enumerate(content):
         pw = f"{where}[{j}]"
         if isinstance(part, str):
@@ -44,6 +57,14 @@ def text_of(content: Any, where: str, *, allow_refusal: bool = True) -> str:
             texts.append(text)
         elif typ == "refusal" and allow_refusal:
             texts.append(str(part.get("refusal") or ""))
+        elif typ in IMAGE_PART_TYPES and images is not None:
+            texts.append(images.image(part, pw))
+        elif typ in IMAGE_PART_TYPES:
+            raise bad_request(
+                f"{pw} has type '{typ}': images are accepted in user and tool messages only",
+                code="unsupported_content",
+                param=pw,
+            )
         elif typ in UNSUPPORTED_PARTS:
             raise bad_request(
                 f"{pw} has type '{typ}': Splice serves text-only models; images, files and audio are not supported",
@@ -52,7 +73,12 @@ def text_of(content: Any, where: str, *, allow_refusal: bool = True) -> str:
             )
         else:
             raise bad_request(f"{pw} has unsupported content part type {typ!r}", code="unsupported_content", param=pw)
-    return "\n".join(texts)
+    return texts
+
+
+def message_of(role: str, content: Any, where: str, *, images: ImageRequest | None = None, allow_refusal: bool = True, **kw: Any) -> Message:
+    """A ``Message`` of ``role`` from string or list content (with image parts if ``images``)."""
+    return Message.from_parts(role, parts_of(content, where, images=images, allow_refusal=allow_refusal), **kw)
 
 
 def name_tool_messages(messages: list[Message]) -> list[Message]:
@@ -63,7 +89,7 @@ def name_tool_messages(messages: list[Message]) -> list[Message]:
         for tc in m.tool_calls:
             names[tc.id] = tc.name
         if m.role == "tool" and m.name is None and m.tool_call_id in names:
-            m = Message(role="tool", content=m.content, tool_call_id=m.tool_call_id, name=names[m.tool_call_id])
+            m = Message(role="tool", content=m.content, tool_call_id=m.tool_call_id, name=names[m.tool_call_id], parts=m.parts)
         out.append(m)
     return out
 

@@ -27,8 +27,9 @@ from tokenization.conversation import Message, ToolCall
 from ..errors import APIError, bad_request
 from ..ids import message_id, tool_use_id
 from ..session import Presentation, TurnResult, TurnRunner
-from .content import ToolSet, name_tool_messages, offer_tools, text_of
+from .content import ToolSet, name_tool_messages, offer_tools, parts_of, text_of
 from .context import DialectContext, turn_request
+from .images import ImageInput, ImageRequest
 from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .output import splice_headers, splice_info, usage_of
 from .streaming import TurnStream, run_turn, streaming_response
@@ -114,13 +115,13 @@ def _system_text(system: str | list[dict[str, Any]] | None) -> str:
     return "\n\n".join(parts)
 
 
-def _tool_result_text(block: dict[str, Any], where: str) -> str:
+def _tool_result_parts(block: dict[str, Any], where: str, images: ImageRequest) -> list:
     content = block.get("content")
     if content is None or isinstance(content, str):
-        return content or ""
+        return [content or ""]
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of blocks", param=f"{where}.content")
-    return text_of(content, f"{where}.content", allow_refusal=False)
+    return parts_of(content, f"{where}.content", images=images, allow_refusal=False)
 
 
 def _assistant(content: Any, where: str, ids: list[str]) -> Message:
@@ -151,37 +152,43 @@ def _assistant(content: Any, where: str, ids: list[str]) -> Message:
     return Message(role="assistant", content="".join(texts), reasoning="".join(reasoning) or None, tool_calls=tuple(calls))
 
 
-def _user(content: Any, where: str, ids: list[str]) -> list[Message]:
+def _user(content: Any, where: str, ids: list[str], images: ImageRequest) -> list[Message]:
     if isinstance(content, str):
         return [Message(role="user", content=content)]
     out: list[Message] = []
-    texts: list[str] = []
+    texts: list = []  # text and image parts of the user message being built
     for j, block in enumerate(content):
         bw = f"{where}.content[{j}]"
         typ = block.get("type")
         if typ == "tool_result":
             if texts:
-                out.append(Message(role="user", content="\n".join(texts)))
+                out.append(Message.from_parts("user", texts))
                 texts = []
             tid = block.get("tool_use_id")
             if not isinstance(tid, str) or not tid:
                 raise bad_request(f"{bw} (tool_result) needs a 'tool_use_id'", param=f"{bw}.tool_use_id")
             ids.append(tid)
-            out.append(Message(role="tool", content=_tool_result_text(block, bw), tool_call_id=tid))
+            out.append(Message.from_parts("tool", _tool_result_parts(block, bw, images), tool_call_id=tid))
         elif typ == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+        elif typ == "image":
+            texts.append(images.image(block, bw))
         else:
             raise bad_request(
-                f"{bw} has type {typ!r}: Splice serves text-only models (text and tool_result blocks)",
+                f"{bw} has type {typ!r}: Splice takes text, image and tool_result blocks in user messages",
                 code="unsupported_content", param=bw,
             )  # fmt: skip
     if texts or not out:
-        out.append(Message(role="user", content="\n".join(texts)))
+        out.append(Message.from_parts("user", texts))
     return out
 
 
-def messages_to_conversation(system: Any, messages: list[dict[str, Any]]) -> tuple[list[Message], list[str]]:
-    """Anthropic messages -> ``Message``s; also the Splice-issued ids they carry, in order."""
+def messages_to_conversation(system: Any, messages: list[dict[str, Any]], images: ImageRequest | None = None) -> tuple[list[Message], list[str]]:
+    """Anthropic messages -> ``Message``s; also the Splice-issued ids they carry, in order.
+
+    ``image`` blocks of user messages and of ``tool_result`` content become image parts through
+    ``images`` (a text-only model's requests get a 400)."""
+    images = images if images is not None else ImageRequest(None)
     out: list[Message] = []
     ids: list[str] = []
     sys_text = _system_text(system)
@@ -197,7 +204,7 @@ def messages_to_conversation(system: Any, messages: list[dict[str, Any]]) -> tup
         if role == "assistant":
             out.append(_assistant(content, where, ids))
         elif role == "user":
-            out.extend(_user(content, where, ids))
+            out.extend(_user(content, where, ids, images))
         elif role == "system":  # Claude Code's mid-conversation system messages
             out.append(Message(role="system", content=text_of(content, f"{where}.content")))
         else:
@@ -244,12 +251,12 @@ class MessagesContext(DialectContext):
         return Presentation(body=body, encoded=dumps(body))
 
 
-def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner) -> MessagesContext:
+def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None) -> MessagesContext:
     req: MessagesRequest = validate(MessagesRequest, body)
     req.check_supported()
     ts = offer_tools(req.tools)
     check_tool_choice(req.tool_choice, ts)
-    messages, ids = messages_to_conversation(req.system, req.messages)
+    messages, ids = messages_to_conversation(req.system, req.messages, images)
     treq = turn_request(
         "messages", req, headers, model=runner.model_name, messages=messages, tools=ts.tools, hints=ids,
         stop=list(req.stop_sequences or []), max_output_tokens=req.max_tokens, not_offered=ts.not_offered,
@@ -338,12 +345,13 @@ def message_body(ctx: MessagesContext, result: TurnResult) -> dict[str, Any]:
 # ============================================================================ count_tokens
 
 
-def count_tokens(body: dict[str, Any], runner: TurnRunner) -> dict[str, int]:
-    """The prompt a first turn of this conversation would have: the chat template's full render."""
+def count_tokens(body: dict[str, Any], runner: TurnRunner, images: ImageRequest | None = None) -> dict[str, int]:
+    """The prompt a first turn of this conversation would have: the chat template's full render
+    (each image counted as its expanded placeholder span)."""
     req: MessagesRequest = validate(MessagesRequest, body)
     req.check_supported(counting=True)
     ts = offer_tools(req.tools)
-    messages, _ = messages_to_conversation(req.system, req.messages)
+    messages, _ = messages_to_conversation(req.system, req.messages, images)
     try:
         ids = runner.fmt.render(messages, ts.tools, template_kwargs=req.chat_template_kwargs)
     except Exception as exc:  # noqa: BLE001 - any template failure is the conversation's fault
@@ -354,8 +362,9 @@ def count_tokens(body: dict[str, Any], runner: TurnRunner) -> dict[str, int]:
 # ============================================================================ router
 
 
-def messages_router(runner: TurnRunner) -> APIRouter:
-    """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``; errors in Anthropic's shape."""
+def messages_router(runner: TurnRunner, images: ImageInput | None = None) -> APIRouter:
+    """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``; errors in Anthropic's shape.
+    ``images``: the app's image input (None: text only)."""
     from .messages_stream import stream_message
 
     router = APIRouter()
@@ -363,7 +372,9 @@ def messages_router(runner: TurnRunner) -> APIRouter:
     @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
     async def post_message(request: Request):
         try:
-            ctx = build(build_messages_context, parse_json_body(await request.body()), request.headers, runner)
+            body = parse_json_body(await request.body())
+            req_images = await images.prepare(body) if images is not None else None
+            ctx = build(build_messages_context, body, request.headers, runner, req_images)
             if not ctx.req.stream:
                 result = await run_turn(runner, ctx.turn, request)
                 return JSONResponse(result.encoded, headers=splice_headers(result))
@@ -376,7 +387,9 @@ def messages_router(runner: TurnRunner) -> APIRouter:
     @router.post("/v1/messages/count_tokens")
     async def post_count_tokens(request: Request):
         try:
-            return JSONResponse(count_tokens(parse_json_body(await request.body()), runner))
+            body = parse_json_body(await request.body())
+            req_images = await images.prepare(body) if images is not None else None
+            return JSONResponse(count_tokens(body, runner, req_images))
         except APIError as exc:
             return error_response(exc)
 

@@ -20,12 +20,17 @@ import orjson
 from fastapi import APIRouter, Request
 
 from tokenization.conversation import Message, ToolCall
+from tokenization.vision import ImageInfo
 
 from ..errors import APIError, bad_request, not_found
 from ..ids import call_id, custom_call_item_id, function_call_item_id, message_id, reasoning_id, response_id, turn_id_from
 from ..session import Presentation, TurnResult, TurnRunner, returned_message
-from .content import ToolSet, check_tool_choice, custom_arguments, custom_input, name_tool_messages, offer_tools, text_of, tool_choice_control
+from .content import (
+    ToolSet, check_tool_choice, custom_arguments, custom_input, message_of, name_tool_messages, offer_tools, text_of,
+    tool_choice_control,
+)  # fmt: skip
 from .context import DialectContext, check_id, turn_request
+from .images import ImageInput, ImageRequest
 from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
 from .models import ResponsesRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
@@ -44,7 +49,21 @@ def message_to_dict(m: Message) -> dict[str, Any]:
         d["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         d["name"] = m.name
+    if m.has_images:  # images by reference: their bytes are stored once, by hash, with the turn
+        d["parts"] = [
+            {"text": p} if isinstance(p, str) else
+            {"image": {"hash": p.hash, "mime": p.mime, "width": p.width, "height": p.height, "grid_thw": list(p.grid_thw), "n_tokens": p.n_tokens}}
+            for p in m.parts
+        ]  # fmt: skip
     return d
+
+
+def _part_from_dict(p: dict[str, Any]) -> Any:
+    if "image" not in p:
+        return p.get("text", "")
+    i = p["image"]
+    # ``data`` is not kept with the conversation: the image store has it under ``hash``.
+    return ImageInfo(hash=i["hash"], mime=i["mime"], width=i["width"], height=i["height"], grid_thw=tuple(i["grid_thw"]), n_tokens=i["n_tokens"], data=b"")
 
 
 def message_from_dict(d: dict[str, Any]) -> Message:
@@ -55,6 +74,7 @@ def message_from_dict(d: dict[str, Any]) -> Message:
         tool_calls=tuple(ToolCall(tc["id"], tc["name"], tc["arguments"]) for tc in d.get("tool_calls") or ()),
         tool_call_id=d.get("tool_call_id"),
         name=d.get("name"),
+        parts=tuple(_part_from_dict(p) for p in d.get("parts") or ()),
     )
 
 
@@ -104,12 +124,17 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str | None:
     return None  # encrypted_content only: nothing Splice can render
 
 
-def input_to_messages(items: str | list[dict[str, Any]] | None, tools: ToolSet | None = None) -> tuple[list[Message], list[str]]:
+def input_to_messages(
+    items: str | list[dict[str, Any]] | None, tools: ToolSet | None = None, images: ImageRequest | None = None
+) -> tuple[list[Message], list[str]]:
     """Convert Responses input to messages; also return the ids the input carries, in order.
 
     Consecutive reasoning / assistant message / function_call items merge into one assistant
-    message (the template renders them as one turn).
+    message (the template renders them as one turn). ``input_image`` parts of user messages and
+    of ``function_call_output`` / ``computer_call_output`` outputs become image parts through
+    ``images`` (a text-only model's requests get a 400).
     """
+    images = images if images is not None else ImageRequest(None)
     if items is None:
         return [], []
     if isinstance(items, str):
@@ -141,8 +166,8 @@ def input_to_messages(items: str | list[dict[str, Any]] | None, tools: ToolSet |
                 raise bad_request(f"{where}.role must be one of user, assistant, system, developer; got {role!r}", code="invalid_value", param=f"{where}.role")
             if "content" not in item:
                 raise bad_request(f"{where} is a message without 'content'", code="missing_required_parameter", param=f"{where}.content")
-            text = text_of(item.get("content"), f"{where}.content")
             if role == "assistant":
+                text = text_of(item.get("content"), f"{where}.content")
                 if pending is not None and (pending.content is not None or pending.tool_calls):
                     flush()
                 if pending is None:
@@ -150,7 +175,8 @@ def input_to_messages(items: str | list[dict[str, Any]] | None, tools: ToolSet |
                 pending.content = text
             else:
                 flush()
-                out.append(Message(role=role, content=text))
+                imgs = images if role == "user" else None
+                out.append(message_of(role, item.get("content"), f"{where}.content", images=imgs))
         elif typ == "reasoning":
             text = _reasoning_text(item, where)
             if pending is not None and (pending.has_reasoning_item or pending.content is not None or pending.tool_calls):
@@ -184,16 +210,26 @@ def input_to_messages(items: str | list[dict[str, Any]] | None, tools: ToolSet |
             if "output" not in item:
                 raise bad_request(f"{where} (function_call_output) needs an 'output'", code="missing_required_parameter", param=f"{where}.output")
             output = item.get("output")
-            if isinstance(output, (dict, int, float, bool)) and not isinstance(output, list):
+            if isinstance(output, dict) and output.get("type") in ("input_image", "input_text"):
+                output = [output]  # one content part
+            elif isinstance(output, (dict, int, float, bool)) and not isinstance(output, list):
                 output = orjson.dumps(output).decode()
-            text = text_of(output, f"{where}.output")
-            out.append(Message(role="tool", content=text, tool_call_id=cid))
+            out.append(message_of("tool", output, f"{where}.output", images=images, tool_call_id=cid))
+        elif typ == "computer_call_output":
+            flush()
+            cid = item.get("call_id")
+            if not isinstance(cid, str) or not cid:
+                raise bad_request(f"{where} (computer_call_output) needs a 'call_id'", code="missing_required_parameter", param=f"{where}.call_id")
+            output = item.get("output")
+            if not isinstance(output, (dict, list)):
+                raise bad_request(f"{where} (computer_call_output) needs an 'output' screenshot", code="missing_required_parameter", param=f"{where}.output")
+            out.append(message_of("tool", output if isinstance(output, list) else [output], f"{where}.output", images=images, tool_call_id=cid))
         elif typ == "item_reference":
             raise bad_request(f"{where}: unresolved item_reference", code="invalid_value", param=where)
         else:
             raise bad_request(
                 f"{where} has type {typ!r}, which Splice does not support (supported: message, reasoning, "
-                "function_call, function_call_output, item_reference)",
+                "function_call, function_call_output, computer_call_output, item_reference)",
                 code="unsupported_input_item",
                 param=where,
             )
@@ -260,7 +296,7 @@ class ResponsesContext(DialectContext):
         return present_response(self, result)
 
 
-def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: ResponseReader) -> ResponsesContext:
+def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: ResponseReader, images: ImageRequest | None = None) -> ResponsesContext:
     req: ResponsesRequest = validate(ResponsesRequest, body)
     req.check_supported()
     ts = offer_tools(req.tools)
@@ -269,7 +305,7 @@ def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: Resp
     items = req.input
     if isinstance(items, list):
         items = resolve_item_references(store, items)
-    msgs, ids = input_to_messages(items, ts)
+    msgs, ids = input_to_messages(items, ts, images)
     prev: list[Message] = []
     hints: list[str] = []
     if req.previous_response_id:
@@ -433,15 +469,18 @@ def present_response(ctx: ResponsesContext, result: TurnResult) -> Presentation:
 # ============================================================================ router
 
 
-def responses_router(runner: TurnRunner, store: ResponseReader) -> APIRouter:
-    """``POST /v1/responses`` and ``GET /v1/responses/{response_id}``."""
+def responses_router(runner: TurnRunner, store: ResponseReader, images: ImageInput | None = None) -> APIRouter:
+    """``POST /v1/responses`` and ``GET /v1/responses/{response_id}``. ``images``: the app's
+    image input (None: text only)."""
     from .responses_stream import stream_response
 
     router = APIRouter()
 
     @router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def post_response(request: Request):
-        ctx = build(build_context, parse_json_body(await request.body()), request.headers, runner, store)
+        body = parse_json_body(await request.body())
+        req_images = await images.prepare(body) if images is not None else None
+        ctx = build(build_context, body, request.headers, runner, store, req_images)
         if not ctx.req.stream:
             result = await run_turn(runner, ctx.turn, request)
             return JSONResponse(result.encoded, headers=splice_headers(result))

@@ -11,7 +11,7 @@ from engines.reference.launch import free_port
 from tests.fakes.runner import MemoryStore, ScriptedRunner
 
 
-def build_app(runner, store):
+def build_app(runner, store, images=None):
     import orjson
     from fastapi import FastAPI
     from fastapi.responses import Response
@@ -22,9 +22,9 @@ def build_app(runner, store):
     from proxy.errors import APIError
 
     app = FastAPI()
-    app.include_router(responses_router(runner, store))
-    app.include_router(chat_router(runner))
-    app.include_router(messages_router(runner))
+    app.include_router(responses_router(runner, store, images))
+    app.include_router(chat_router(runner, images))
+    app.include_router(messages_router(runner, images))
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -39,13 +39,16 @@ class Handle:
 
 
 @contextmanager
-def serve(tok, renderer):
+def serve(tok, renderer, *, fmt=None, images=None):
+    """``fmt``: the runner's chat format (default Qwen3's); ``images``: the app's ``ImageInput``."""
     import uvicorn
 
     store = MemoryStore()
     runner = ScriptedRunner(tok, renderer, store=store)
+    if fmt is not None:
+        runner.fmt = fmt
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(runner, store), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    srv = uvicorn.Server(uvicorn.Config(build_app(runner, store, images), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     deadline = time.time() + 20
@@ -54,7 +57,9 @@ def serve(tok, renderer):
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
-        yield Handle(runner, store, f"http://127.0.0.1:{port}")
+        handle = Handle(runner, store, f"http://127.0.0.1:{port}")
+        handle.images = images
+        yield handle
     finally:
         srv.should_exit = True
         th.join(timeout=10)
