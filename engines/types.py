@@ -21,6 +21,24 @@ class SamplingParams:
     top_k: int = -1  # -1 = off (SGLang and vLLM both accept -1)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Token ids the engine must never sample (a vision model's placeholder and vision-control
+    # tokens); sent as a logit bias, and applied the same way in the trainer's log-probs.
+    banned_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineImage:
+    """One image of a prompt, as every engine call whose ids hold its placeholders must send it.
+
+    ``offset``/``length``: where its ``<|image_pad|>`` run sits in the (expanded) prompt ids;
+    ``data``: the encoded bytes as the agent sent them; ``hash``: sha256 of the decoded pixels."""
+
+    hash: str
+    data: bytes
+    mime: str
+    offset: int
+    length: int
+    grid_thw: tuple[int, int, int]
 
 
 @dataclass

@@ -67,6 +67,11 @@ class Metrics:
             "splice_controls_not_enforced", "Turns with a control Splice records but does not enforce, by control", ["control"], registry=r
         )
         self.malformed_calls = Counter("splice_malformed_tool_calls", "Tool calls returned as text", registry=r)
+        self.banned_tokens_sampled = Counter(
+            "splice_banned_tokens_sampled", "Turns whose output holds a token the engine was told never to sample "
+            "(a vision placeholder); recorded untrainable", registry=r,
+        )  # fmt: skip
+        self.images_in = Counter("splice_prompt_images", "Images sent to engines (every image of every prompt)", registry=r)
         self.inflight = Gauge("splice_inflight_turns", "Turns in flight", registry=r)
         self.admission_active = Gauge("splice_admission_active", "Agent requests admitted and running", registry=r)
         self.admission_waiting = Gauge("splice_admission_waiting", "Agent requests waiting for a slot", registry=r)

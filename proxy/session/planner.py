@@ -31,12 +31,14 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from tokenization import ChatFormat, Message
 from tokenization.conversation import HistoryHash, tools_fingerprint
 
+from ..store.images import ImageRef
+from .images import ImagePlacementError, place
 from .turn import TurnRequest
 
 
@@ -59,6 +61,9 @@ class TurnLookup(Protocol):
 
     def session_exists(self, session_id: str) -> bool: ...
 
+    def turn_images(self, turn_id: str) -> tuple[ImageRef, ...]:
+        """Where the images of a recorded turn's prompt sit (empty for a text-only turn)."""
+
     def claimed(self, turn_id: str) -> bool:
         """Whether a turn in flight right now already continues ``turn_id``."""
 
@@ -79,6 +84,8 @@ class Plan:
     bridge_s: float = 0.0
     render_s: float = 0.0
     history_edits: tuple[str, ...] = ()  # edits continued under the ``keep`` policy (system_text, tool_arguments)
+    images: tuple[ImageRef, ...] = ()  # every image in ``prompt_ids``, in order
+    request_images: dict = field(default_factory=dict)  # hash -> the request's decoded image (runner)
 
 
 def fingerprint_keys(hashed: HistoryHash, req: TurnRequest) -> tuple[str, str, str]:
@@ -156,11 +163,14 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
     msgs = req.messages
     explicit = req.session_id
 
+    spec = getattr(fmt, "vision", None)
+
     def fork(session_id: str | None, parent: str | None, reason: str | None, **kw) -> Plan:
         t0 = time.perf_counter()
         ids = _render(fmt, req)
+        images = _place(ids, msgs, spec) if spec is not None else ()
         return Plan(session_id or new_session_id(), ids, parent, False, reason, new_session=session_id is None,
-                    render_s=time.perf_counter() - t0, **kw)  # fmt: skip
+                    render_s=time.perf_counter() - t0, images=images, **kw)  # fmt: skip
 
     if last_asst < 0:  # a first turn (or a fresh attempt in an explicit session)
         return fork(explicit, None, None)
@@ -194,8 +204,19 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
     bridge_s = time.perf_counter() - t0
     if not res.ok:
         return fork(session_id, found.turn_id, res.reason, ambiguous=ambiguous, bridge_s=bridge_s)
+    images: tuple[ImageRef, ...] = ()
+    if spec is not None:  # the parent's images stay where they are; the new messages' follow
+        base = len(prev_prompt) + len(prev_output)
+        images = lookup.turn_images(found.turn_id) + _place(res.ids, msgs[last_asst + 1 :], spec, base=base)
     return Plan(session_id, prev_prompt + prev_output + res.ids, found.turn_id, True, None, ambiguous=ambiguous,
-                bridge_s=bridge_s, history_edits=edits)  # fmt: skip
+                bridge_s=bridge_s, history_edits=edits, images=images)  # fmt: skip
+
+
+def _place(ids, messages, spec, *, base: int = 0) -> tuple[ImageRef, ...]:
+    try:
+        return place(ids, messages, spec, base=base)
+    except ImagePlacementError as exc:
+        raise RenderError(str(exc)) from exc
 
 
 def _render(fmt: ChatFormat, req: TurnRequest) -> list[int]:

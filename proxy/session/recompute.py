@@ -32,14 +32,16 @@ from engines.types import Generation
 
 from ..metrics import Metrics
 from ..store import Store, TurnRecord
+from .images import engine_images
 from .leaves import Path, place, plan_leaves, plan_prompt
 
 log = logging.getLogger(__name__)
 
 
 class PrefillPool(Protocol):
-    async def prefill_logprobs(self, *, input_ids: list[int], start: int, session_id: str) -> list[float]:
-        """One logprob per token ``input_ids[start:]``: ``log pi(input_ids[i] | input_ids[:i])``."""
+    async def prefill_logprobs(self, *, input_ids: list[int], start: int, session_id: str, images=()) -> list[float]:
+        """One logprob per token ``input_ids[start:]``: ``log pi(input_ids[i] | input_ids[:i])``;
+        ``images``: every image whose placeholders ``input_ids`` hold (engines.types.EngineImage)."""
         ...
 
 
@@ -105,8 +107,12 @@ async def recompute_owed_report(
     async def leaf(path: Path) -> None:
         report.prefills += 1
         report.prefill_tokens += int(path.input_ids.size)
+        kw = {}
+        refs = await asyncio.to_thread(store.images.refs_of, path.leaf_turn_id) if path.leaf_turn_id else ()
+        if refs:  # the engine needs every image of the prefilled ids (their spans lie in the leaf's prompt)
+            kw["images"] = await asyncio.to_thread(engine_images, refs, {}, store.images.get)
         values = await pool.prefill_logprobs(
-            input_ids=path.input_ids.tolist(), start=path.start, session_id=session_id_for(path)
+            input_ids=path.input_ids.tolist(), start=path.start, session_id=session_id_for(path), **kw
         )
         want = int(path.input_ids.size) - path.start
         if len(values) != want:

@@ -4,6 +4,7 @@ lock, parse, let the front end present it, commit, count."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -17,6 +18,7 @@ from ..ids import call_id, chat_completion_id, message_id, response_id
 from ..metrics import Metrics
 from ..store import Conflict, Store, StoredResponse, TurnRecord
 from .drift import DriftChecker
+from .images import as_stored, engine_images, request_images
 from .planner import Plan, RenderError, answer_fingerprints, plan
 from .recompute import Piggyback, RecomputeScheduler
 from .sampling import SamplingPolicy
@@ -67,6 +69,9 @@ class StoreLookup:
     def session_exists(self, session_id: str) -> bool:
         return self.store.sessions.get(session_id) is not None
 
+    def turn_images(self, turn_id: str):
+        return self.store.images.refs_of(turn_id)
+
     def claimed(self, turn_id: str) -> bool:
         return turn_id in self.inflight_parents
 
@@ -109,6 +114,9 @@ class TurnRunner:
         self._ambiguous_logged: set[str] = set()
         self.vocab_size = vocab_bound(fmt.tokenizer)
         self._max_token_chars: int | None = None
+        spec = getattr(fmt, "vision", None)
+        # A vision model never samples its placeholder / vision-control tokens (docs/images.md).
+        self.banned_ids: tuple[int, ...] = tuple(sorted(spec.banned_ids)) if spec is not None else ()
 
     def _lock(self, session_id: str) -> asyncio.Lock:
         lock = self._locks.get(session_id)
@@ -146,11 +154,15 @@ class TurnRunner:
         else:
             p = self._plan(req)
         req.session_resolved = p.session_id
+        if p.images:
+            p.request_images = request_images(req.messages)
         req.history_edits = p.history_edits
         session = None if p.new_session else self.store.sessions.get(p.session_id)  # read once per turn
         if session is not None and session.closed:
             raise APIError(409, f"session {p.session_id} already has a reward and is closed", code="session_closed")
         params = self.sampling.params(req, len(p.prompt_ids), tuple(self.fmt.stop_token_ids))
+        if self.banned_ids:
+            params = dataclasses.replace(params, banned_token_ids=self.banned_ids)
         if self.sampling.overridden(req):
             self.metrics.sampling_overrides.inc()
         self.lookup.claim(p.parent_turn_id)
@@ -227,6 +239,11 @@ class TurnRunner:
 
     async def _generate(self, p: Plan, params, on_tokens: TokensCallback | None, pig: Piggyback | None = None) -> Generation:
         kw = {} if pig is None else {"prompt_logprobs_from": pig.path.start}
+        if p.images:
+            try:
+                kw["images"] = engine_images(p.images, p.request_images, self.store.images.get)
+            except LookupError as exc:
+                raise APIError(409, f"{exc}; the session cannot be continued", code="image_not_stored") from None
         try:
             gen = await self.pool.generate(p.prompt_ids, params, session_id=p.session_id, on_tokens=on_tokens, **kw)
             check_token_ids(gen.output_ids, self.vocab_size, gen.replica)
@@ -288,26 +305,43 @@ class TurnRunner:
             fork_reason=p.fork_reason,
             finish_reason=gen.finish_reason,
             created_at=result.created_at,
-            requested_sampling={**self.sampling.record(req), "model": self.model_name, "engine_id": redact_url(gen.replica) or None},
+            requested_sampling=self._record_sampling(req, gen),
             drift=False,
             api=req.api,
             response_id=result.response_id,
+            images=p.images,
         )
+        new_images = [as_stored(p.request_images[r.hash]) for r in p.images
+                      if r.hash in p.request_images and not self.store.images.is_known(r.hash)]  # fmt: skip
         hashed = p.history_hash.copy().extend(req.messages[p.hashed :])
         fingerprints = answer_fingerprints(hashed, req, returned_message(result), p.session_id)
         try:
-            self.store.turns.add(turn, fingerprints=fingerprints, response=stored, session_fields=fields)
+            self.store.turns.add(turn, fingerprints=fingerprints, response=stored, session_fields=fields, new_images=new_images)
         except Conflict as exc:  # rewarded while this turn was generating, or a different group
             now = self.store.sessions.get(p.session_id)
             code = "session_closed" if now is not None and now.closed else "session_conflict"
             raise APIError(409, str(exc), code=code) from exc
         result.index = turn.index
+        if new_images:
+            self.store.images.remember(new_images)
+
+    def _record_sampling(self, req: TurnRequest, gen: Generation) -> dict:
+        rec = {**self.sampling.record(req), "model": self.model_name, "engine_id": redact_url(gen.replica) or None}
+        if self.banned_ids and not set(self.banned_ids).isdisjoint(gen.output_ids):
+            # The engine sampled a token it was told never to: not the distribution the trainer
+            # scores, so the turn (and its sample) is not trained on.
+            rec["trainable"] = False
+            rec["untrainable_reason"] = "sampled_banned_token"
+            self.metrics.banned_tokens_sampled.inc()
+        return rec
 
     def _count(self, req: TurnRequest, p: Plan, gen: Generation, result: TurnResult) -> None:
         m = self.metrics
         m.turns.labels(req.api).inc()
         m.tokens_in.inc(len(p.prompt_ids))
         m.tokens_out.inc(len(gen.output_ids))
+        if p.images:
+            m.images_in.inc(len(p.images))
         m.engine_seconds.observe(gen.engine_time_s)
         if p.spliced:
             m.spliced.inc()

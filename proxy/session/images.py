@@ -1,0 +1,67 @@
+"""The images of a turn's prompt: where each sits, what each engine call must send, what to store.
+
+A full render places every image of the request in order; a spliced prompt keeps its parent's
+images where they were (the parent's ids are kept verbatim) and adds the new messages' images
+at their place in the bridge's ids. Nothing here re-decodes an image: the request's images
+arrive decoded once (``tokenization.vision``), history images come from the store by hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from engines.types import EngineImage
+from tokenization import Message
+from tokenization.vision import ImageInfo, find_image_spans, message_images
+
+from ..store import ImageRef, StoredImage
+
+
+class ImagePlacementError(ValueError):
+    """The rendered ids hold a different number of image spans than the messages hold images."""
+
+
+def place(ids: Sequence[int], messages: Sequence[Message], spec, *, base: int = 0) -> tuple[ImageRef, ...]:
+    """ImageRefs for the images of ``messages``, found in order in ``ids`` (absolute offset + ``base``)."""
+    infos = message_images(list(messages))
+    spans = find_image_spans(list(ids), spec) if infos or spec is not None else []
+    if len(spans) != len(infos):
+        raise ImagePlacementError(
+            f"the prompt holds {len(spans)} image placeholder spans for {len(infos)} images"
+        )
+    refs = []
+    for info, (offset, length) in zip(infos, spans):
+        if length != info.n_tokens:
+            raise ImagePlacementError(
+                f"image {info.hash[:12]}: {length} placeholder tokens where its grid {info.grid_thw} needs {info.n_tokens}"
+            )
+        refs.append(ImageRef(info.hash, base + offset, length, tuple(info.grid_thw)))
+    return tuple(refs)
+
+
+def request_images(messages: Sequence[Message]) -> dict[str, ImageInfo]:
+    """The request's decoded images by hash (agents re-send the history's images every call)."""
+    return {info.hash: info for info in message_images(list(messages))}
+
+
+def as_stored(info: ImageInfo) -> StoredImage:
+    return StoredImage(info.hash, info.mime, info.width, info.height, tuple(info.grid_thw), info.data)
+
+
+def engine_images(
+    refs: Sequence[ImageRef], have: dict[str, ImageInfo], load: Callable[[str], StoredImage | None]
+) -> list[EngineImage]:
+    """What an engine call must send for ``refs``: bytes from the request when it has them, else
+    from the store. A missing image is a clear error (the turn cannot be generated faithfully)."""
+    out = []
+    for r in refs:
+        info = have.get(r.hash)
+        if info is not None:
+            data, mime = info.data, info.mime
+        else:
+            im = load(r.hash)
+            if im is None:
+                raise LookupError(f"image {r.hash} of this session's prompt is not stored")
+            data, mime = im.data, im.mime
+        out.append(EngineImage(r.hash, data, mime, r.offset, r.length, r.grid_thw))
+    return out
