@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 
 from engines.types import EngineImage
 from tokenization import Message
-from tokenization.vision import ImageInfo, find_image_spans, message_images
+from tokenization.conversation import message_images
+from tokenization.vision import ImageInfo, find_image_spans
 
 from ..store import ImageRef, StoredImage
 
