@@ -21,6 +21,28 @@ class SamplingParams:
     top_k: int = -1  # -1 = off (SGLang and vLLM both accept -1)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # Token ids the engine must never sample (a vision model's placeholder and vision-control
+    # ids). Sent as a logit bias only when non-empty, so text-only requests stay unchanged.
+    banned_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineImage:
+    """One image of a prompt, as an engine call carries it (docs/engines.md, "Images").
+
+    ``offset`` / ``length``: the image's run of ``<|image_pad|>`` ids in the *expanded* prompt
+    (index of the first pad, number of pads), which is the coordinate system of every id list
+    and logprob position Splice handles. ``data`` is the image as received (png/jpeg/webp/gif),
+    ``hash`` its content hash (sha256 over the decoded RGB pixels), ``grid_thw`` the image
+    processor's patch grid (``length == t*h*w // merge_size**2``).
+    """
+
+    hash: str
+    data: bytes
+    mime: str
+    offset: int
+    length: int
+    grid_thw: tuple[int, int, int]
 
 
 @dataclass
