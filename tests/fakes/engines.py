@@ -10,10 +10,10 @@ in the queue; vLLM's ``"token_id:N"`` strings, echoed prompt with a null first l
 fake's *current* weight version, so a value placed at the wrong position or version shows.
 
 Images follow the released servers' rules (docs/engines.md, "Images"): SGLang 0.5.23 decodes
-the data URLs, refuses a prompt whose ``<|image_pad|>`` count differs from ``len(image_data)``
-(pre-expanded runs included) with its HF processor's message, expands each pad with the
-Qwen2-VL image processor's own ``smart_resize``, answers in expanded coordinates and reports
-id 0 for image positions in ``input_token_logprobs``. vLLM 0.32's ``/inference/v1/generate``
+the data URLs, crashes (HTTP 500) on more ``<|image_pad|>`` than images (pre-expanded runs:
+its pinned transformers 5.19 processor runs out of replacements), refuses fewer, expands each
+pad with the Qwen2-VL image processor's own ``smart_resize``, answers in expanded coordinates
+and reports id 0 for image positions in ``input_token_logprobs``. vLLM 0.32's ``/inference/v1/generate``
 validates like its pydantic model and replaces the first pad per image, as its prompt update
 does (so a pre-expanded run silently keeps its extra pads).
 """
@@ -178,11 +178,20 @@ def sglang_verify(body: dict, vocab_size: int) -> str | None:
     return None
 
 
+class EngineCrash(Exception):
+    """A non-ValueError inside SGLang's request handling: FastAPI answers 500."""
+
+
 def sglang_expand(ids: list[int], urls: list[str], **pixels: int) -> tuple[list[int], frozenset[int]]:
-    """SGLang's Qwen-VL path for ``input_ids`` + ``image_data``: load every image, require one
-    ``<|image_pad|>`` per image (the HF processor's count check; a pre-expanded run fails it),
-    then expand each pad in place (``SGLANG_MM_AVOID_RETOKENIZE``: the caller's ids verbatim).
-    Raises ``ValueError`` with the server's message."""
+    """SGLang's Qwen-VL path for ``input_ids`` + ``image_data``: load every image (a bad one is
+    a ValueError, 400), run the HF processor on the decoded prompt, then expand each single pad
+    in place (``SGLANG_MM_AVOID_RETOKENIZE``: the caller's ids verbatim).
+
+    More pads than images (a pre-expanded run) makes transformers 5.19's
+    ``get_text_with_replacements`` call ``next()`` on an exhausted iterator: StopIteration, not
+    a ValueError, so the server answers 500 (``EngineCrash``). Fewer pads than images fails
+    ``_expand_input_ids``' count check, which the server only logs before re-tokenizing; the
+    stand-in refuses it (400) rather than guess what follows."""
     counts = []
     for k, url in enumerate(urls):
         try:
@@ -190,11 +199,10 @@ def sglang_expand(ids: list[int], urls: list[str], **pixels: int) -> tuple[list[
         except ImageLoadError as exc:
             raise ValueError(f"An exception occurred while loading IMAGE data at index {k}: {exc}") from None
     found = sum(1 for t in ids if t == IMAGE_PAD_ID)
-    if found != len(urls):
-        raise ValueError(
-            "The total number of <|image_pad|> tokens in the prompts should be the same as the number of images "
-            f"passed. Found total {found} <|image_pad|> tokens and {len(urls)} images."
-        )
+    if found > len(urls):
+        raise EngineCrash(f"StopIteration: {found} <|image_pad|> in the prompt, {len(urls)} image replacements")
+    if found < len(urls):
+        raise ValueError(f"prompt has {found} image placeholder token(s) but {len(urls)} image(s) were provided")
     out: list[int] = []
     positions: set[int] = set()
     k = 0
@@ -340,6 +348,9 @@ class FakeSGLang:
             except ValueError as exc:
                 self.script.insert(0, step)
                 return httpx.Response(400, json={"error": {"message": str(exc)}})
+            except EngineCrash:
+                self.script.insert(0, step)
+                return httpx.Response(500, content=b"Internal Server Error", headers={"content-type": "text/plain"})
         banned = {int(k) for k, v in (body["sampling_params"].get("logit_bias") or {}).items() if v <= -100}
         if any(t in banned for t, _ in step.tokens):
             raise AssertionError(f"the script samples a banned id {sorted(banned)}: SGLang would not")
