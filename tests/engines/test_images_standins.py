@@ -96,18 +96,20 @@ def test_vllm_standin_validates_like_the_pydantic_model():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeVLLM(router, A)
-            fake.script = [Step([(5, -1.0)]), Step([(6, -1.0)])]
+            fake.script = [Step([(5, -1.0)]), Step([(6, -1.0)]), Step([(7, -1.0)])]
             both = await post(f"{A}/inference/v1/generate", vllm_body(collapsed(ids), [url(BLUE)], features={"mm_hashes": {}, "mm_placeholders": {}}))
             empty = await post(f"{A}/inference/v1/generate", vllm_body([], None))
             no_params = await post(f"{A}/inference/v1/generate", {"token_ids": [1, 2]})
             unknown_keys = await post(f"{A}/inference/v1/generate", vllm_body(collapsed(ids), [url(BLUE)], shiny=1))
             expanded = await post(f"{A}/inference/v1/generate", vllm_body(ids, [url(BLUE)]))
-            return both, empty, no_params, unknown_keys, expanded
+            missing = await post(f"{A}/inference/v1/generate", vllm_body(collapsed(ids), [url(BLUE), url(RED)]))
+            return both, empty, no_params, unknown_keys, expanded, missing
 
-    both, empty, no_params, unknown_keys, expanded = run(go())
+    both, empty, no_params, unknown_keys, expanded, missing = run(go())
     assert both.status_code == 400 and "mutually exclusive" in both.json()["error"]["message"]
-    assert empty.status_code == 400 and "at least 1 item" in empty.text
-    assert no_params.status_code == 400 and "sampling_params" in no_params.text
+    assert empty.status_code == 400 and "at least 1 item" in empty.text and empty.json()["error"]["param"] == "body.token_ids"
+    assert no_params.status_code == 400 and no_params.json()["error"]["param"] == "body.sampling_params"
+    assert missing.status_code == 500 and "found 1 prompt updates" in missing.text
     # unknown top-level keys are ignored, as pydantic's default model config does
     assert unknown_keys.status_code == 200
     assert unknown_keys.json()["mm_placeholders"] == {"image": [{"offset": images[0].offset, "length": 4}]}

@@ -581,13 +581,16 @@ class FakeVLLM:
         self.generate_requests.append(body)
         problem = vllm_generate_check(body, self.vocab_size)
         if problem is not None:
-            return httpx.Response(400, json=vllm_error(problem, "BadRequestError", 400))
+            return httpx.Response(400, json=problem)
         step = self.script.pop(0)
         if step.status != 200:
             return httpx.Response(step.status, json=vllm_error("boom", "InternalServerError", step.status))
         urls = [p.get("url") for p in body.get("content_parts") or [] if p.get("type") == "image_url"]
         try:
             ids, placeholders = vllm_expand(body["token_ids"], urls, **self.pixels)
+        except PromptUpdateError as exc:
+            self.script.insert(0, step)
+            return httpx.Response(500, json=vllm_error(str(exc), "InternalServerError", 500))
         except ValueError as exc:
             self.script.insert(0, step)
             return httpx.Response(400, json=vllm_error(str(exc), "BadRequestError", 400))
@@ -640,38 +643,52 @@ def vllm_error(message: str, kind: str, code: int) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
-def vllm_generate_check(body: dict, vocab_size: int) -> str | None:
-    """What vLLM 0.32's ``GenerateRequest`` (pydantic, unknown keys ignored) and its
-    ``SamplingParams`` refuse with a 400 (token_in_token_out/protocol.py, sampling_params.py)."""
+def pydantic_error(kind: str, loc: str, msg: str, value) -> dict:
+    """vLLM's answer to a request its pydantic model refuses (serve/exception_handling/
+    handlers/validation.py): 400, type "Bad Request", the errors listed, ``param`` the field."""
+    err = {"type": kind, "loc": loc, "msg": msg, "input": str(value)}
+    return {"error": {"message": f"1 validation error:\n  {err}", "type": "Bad Request", "param": loc, "code": 400}}
+
+
+def vllm_generate_check(body: dict, vocab_size: int) -> dict | None:
+    """The 400 body vLLM 0.32 gives a ``/inference/v1/generate`` request its ``GenerateRequest``
+    (pydantic, unknown keys ignored) or ``SamplingParams`` refuses (token_in_token_out/protocol.py,
+    sampling_params.py), or None."""
     ids = body.get("token_ids")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        return "1 validation error for GenerateRequest\ntoken_ids\n  Input should be a valid list of integers"
+        return pydantic_error("list_type", "body.token_ids", "Input should be a valid list of integers", ids)
     if len(ids) < 1:
-        return "1 validation error for GenerateRequest\ntoken_ids\n  List should have at least 1 item after validation, not 0"
+        return pydantic_error("too_short", "body.token_ids", "List should have at least 1 item after validation, not 0", ids)
     if any(t < 0 for t in ids):
-        return "1 validation error for GenerateRequest\ntoken_ids\n  Value error, token_ids must not contain negative values"
-    if body.get("content_parts") and body.get("features"):
-        return "1 validation error for GenerateRequest\n  Value error, content_parts and features are mutually exclusive"
+        return pydantic_error("value_error", "body.token_ids", "Value error, token_ids must not contain negative values", ids)
     sp = body.get("sampling_params")
     if not isinstance(sp, dict):
-        return "1 validation error for GenerateRequest\nsampling_params\n  Field required"
+        return pydantic_error("missing", "body.sampling_params", "Field required", body)
     parts = body.get("content_parts")
     if parts is not None and not (isinstance(parts, list) and all(isinstance(p, dict) for p in parts)):
-        return "1 validation error for GenerateRequest\ncontent_parts\n  Input should be a valid list of dictionaries"
+        return pydantic_error("dict_type", "body.content_parts", "Input should be a valid dictionary", parts)
+    if body.get("content_parts") and body.get("features"):
+        return pydantic_error("value_error", "body", "Value error, content_parts and features are mutually exclusive", "")
     bias = sp.get("logit_bias") or {}
     try:
         bad = [int(k) for k in bias if not 0 <= int(k) < vocab_size]
     except ValueError:
-        return "1 validation error for GenerateRequest\nsampling_params.logit_bias\n  Input should be a valid integer"
+        return pydantic_error("int_parsing", "body.sampling_params.logit_bias", "Input should be a valid integer", bias)
     if bad:
-        return f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}"
+        message = f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}"
+        return {"error": {"message": message, "type": "BadRequestError", "param": "logit_bias", "code": 400}}
     return None
+
+
+class PromptUpdateError(RuntimeError):
+    """vLLM's ``_validate_mm_updates``: a RuntimeError, answered 500 InternalServerError."""
 
 
 def vllm_expand(ids: list[int], urls: list[str], **pixels: int) -> tuple[list[int], list[dict]]:
     """vLLM 0.32's prompt update for a Qwen-VL token prompt: the i-th ``<|image_pad|>`` (in
     order, searching after the previous replacement) becomes ``N_i`` pads; ids past the last
-    replaced pad stay as they are (a pre-expanded run keeps its extra pads as text)."""
+    replaced pad stay as they are (a pre-expanded run keeps its extra pads as text). An image
+    that cannot be loaded is a ValueError (400); fewer pads than images a ``PromptUpdateError``."""
     counts = []
     for url in urls:
         try:
@@ -689,7 +706,7 @@ def vllm_expand(ids: list[int], urls: list[str], **pixels: int) -> tuple[list[in
         else:
             out.append(t)
     if k != len(counts):
-        raise ValueError(
+        raise PromptUpdateError(
             f"Expected there to be {len(counts)} prompt updates corresponding to {len(counts)} image items, "
             f"but instead found {k} prompt updates!"
         )
