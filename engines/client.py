@@ -3,9 +3,9 @@ are written once and do not know which engine they drive."""
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
-from engines.types import EngineBadResponse, EngineInfo, SamplingParams, Segment
+from engines.types import EngineBadResponse, EngineImage, EngineInfo, SamplingParams, Segment
 from engines.weight_transfer import TensorBatch, WeightGroup  # noqa: F401 - the Protocol's types
 
 # Called with the output ids (and their behaviour logprobs) new since the previous call.
@@ -26,19 +26,28 @@ class EngineClient(Protocol):
         input_logprobs_from: int | None = None,
         on_tokens: TokensCallback | None = None,
         routing_key: str | None = None,
+        images: Sequence[EngineImage] = (),
     ) -> Segment:
         """One engine call. ``input_logprobs_from=k`` asks for log p(x_j | x_<j) for every
         absolute position j >= k (k >= 1), returned in ``Segment.input_logprobs`` indexed from
         ``Segment.input_logprobs_start``; None asks for none (keeps prefix caching intact).
         Streams when ``on_tokens`` is given. Cancelling the call aborts it on the engine.
-        ``routing_key`` (the session id) keeps a session on one worker behind a router."""
+        ``routing_key`` (the session id) keeps a session on one worker behind a router.
+        ``images``: every image of ``input_ids`` (spans in its expanded coordinates, prompt
+        order); all positions in and out stay expanded."""
         ...
 
     async def prefill(
-        self, input_ids: list[int], start: int, *, routing_key: str | None = None
+        self,
+        input_ids: list[int],
+        start: int,
+        *,
+        routing_key: str | None = None,
+        images: Sequence[EngineImage] = (),
     ) -> tuple[list[float], str | None]:
         """log p(x_k | x_<k) for k in [start, len(input_ids)) without sampling, plus the
-        engine-reported weight version (None when the engine does not report one)."""
+        engine-reported weight version (None when the engine does not report one). Values at
+        image pad positions are whatever the engine computes there; they are never owed."""
         ...
 
     async def pause(self) -> None: ...

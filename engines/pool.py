@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, Literal
+from typing import Any, Awaitable, Callable, Literal, Sequence
 
 import httpx
 
@@ -44,6 +44,7 @@ from engines.resume import Stitcher, parse_version
 from engines.routing import ROUTING_POLICIES, HashRing, StickyTable
 from engines.sglang import SGLangClient
 from engines.types import (
+    EngineImage,
     ContextLengthExceeded,
     EngineError,
     EngineInfo,
@@ -403,6 +404,7 @@ class EnginePool:
         session_id: str,
         on_tokens: TokensCallback | None = None,
         prompt_logprobs_from: int | None = None,
+        images: Sequence[EngineImage] = (),
     ) -> Generation:
         """Generate until stop / length, riding through any number of pause-abort-resume cycles.
 
@@ -414,6 +416,9 @@ class EnginePool:
         the input logprobs of prompt positions k.. (R2 on a session's next turn), returned in
         ``Generation.prompt_logprobs`` with the version that computed them. Only ask when a
         token there is owed a value: input logprobs cap the engine's prefix cache.
+
+        ``images``: every image of ``input_ids`` (``EngineImage`` spans over the expanded ids,
+        prompt order). Every engine call of the generation carries them, resumes included.
         """
         if prompt_logprobs_from is not None and not 1 <= prompt_logprobs_from < len(input_ids):
             prompt_logprobs_from = None  # nothing placeable: a plain call
@@ -421,7 +426,7 @@ class EnginePool:
             raise EngineUnavailable("the engine pool is closed")
         if self._info.context_length is not None:
             params = replace(params, max_new_tokens=self.max_new_tokens(len(input_ids), params.max_new_tokens))
-        stitch = Stitcher(list(input_ids), params, prompt_logprobs_from=prompt_logprobs_from)
+        stitch = Stitcher(list(input_ids), params, prompt_logprobs_from=prompt_logprobs_from, images=tuple(images))
         delivered = 0
 
         async def counting(ids: list[int], logprobs: list[float]) -> None:
@@ -441,10 +446,16 @@ class EnginePool:
                 frm = stitch.logprobs_from(sent_version)
                 body_ids = stitch.next_input_ids()
                 body_params = stitch.next_params()
+                body_images = stitch.next_images()
                 rid = f"splice-{session_id[:64]}-{uuid.uuid4().hex[:12]}"
                 t0 = time.perf_counter()
 
                 async def call(r: Replica) -> Any:
+                    if body_images:
+                        return await r.client.generate(
+                            body_ids, body_params, rid=rid, input_logprobs_from=frm, on_tokens=cb, routing_key=session_id,
+                            images=body_images,
+                        )
                     return await r.client.generate(
                         body_ids, body_params, rid=rid, input_logprobs_from=frm, on_tokens=cb, routing_key=session_id
                     )
@@ -530,8 +541,12 @@ class EnginePool:
 
     # -- prefill (R2) ---------------------------------------------------------------------------
 
-    async def prefill_logprobs(self, input_ids: list[int], start: int, *, session_id: str) -> list[float]:
+    async def prefill_logprobs(
+        self, input_ids: list[int], start: int, *, session_id: str, images: Sequence[EngineImage] = ()
+    ) -> list[float]:
         """log pi_V(x_k | x_<k) for every k in [start, len(input_ids)), V = ``self.version``.
+        ``images``: every image of ``input_ids`` (as for ``generate``); values at image pad
+        positions are the engine's, never owed.
 
         Raises ``EnginePaused`` while paused (the engines would hold the call until resume) and
         ``EngineVersionChanged`` if the weights changed while it ran, so a value is never
@@ -545,11 +560,14 @@ class EnginePool:
             raise EnginePaused("engines are paused; prefill after resume")
         version = self._version
         ids = list(input_ids)
+        imgs = tuple(images)
 
         async def call(r: Replica):
             async with self._prefill_slot(r):  # bounded per replica: turns keep their share
                 self.prefill_calls += 1
                 self.prefill_tokens += len(ids)
+                if imgs:
+                    return await r.client.prefill(ids, start, routing_key=session_id, images=imgs)
                 return await r.client.prefill(ids, start, routing_key=session_id)
 
         replica, (values, reported) = await self._call_with_failover(session_id, call, may_retry=lambda: True)

@@ -10,14 +10,16 @@ Pure bookkeeping, no I/O, so every alignment rule is testable on its own:
   ``len(prompt) + i`` whatever the segment, and only tokens with ``versions[i] == V_new - 1``
   take the value (``proximal_versions[i] = V_new``);
 - the token budget shrinks by what was already generated; an abort that leaves no budget ends
-  the generation with ``"length"``.
+  the generation with ``"length"``;
+- a resume re-sends every image of the prompt: the continuation is the prompt plus output,
+  so the images' spans keep their offsets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engines.types import Generation, SamplingParams, Segment
+from engines.types import EngineImage, Generation, SamplingParams, Segment
 
 
 def parse_version(value: str | None) -> int | None:
@@ -61,6 +63,8 @@ class Stitcher:
     gen: Generation = field(default_factory=lambda: Generation(segments=0))
     # R2 on the next turn: the first segment also asks for the prompt's input logprobs from here
     prompt_logprobs_from: int | None = None
+    # every image of the prompt (spans in prompt coordinates), sent with every segment
+    images: tuple[EngineImage, ...] = ()
 
     @property
     def generated(self) -> int:
@@ -72,6 +76,11 @@ class Stitcher:
 
     def next_input_ids(self) -> list[int]:
         return self.prompt_ids + self.gen.output_ids
+
+    def next_images(self) -> tuple[EngineImage, ...]:
+        """The images the next call carries: all of the prompt's, at unchanged offsets (the
+        output is appended after the prompt)."""
+        return self.images
 
     def next_params(self) -> SamplingParams:
         return replace(self.params, max_new_tokens=max(self.remaining, 0))

@@ -11,17 +11,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 
 from engines.client import TokensCallback, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, deadline, expect_dict
+from engines.images import ban_bias, check_spans, collapse, data_url, in_image
 from engines.resume import parse_version
 from engines.weight_transfer import TensorBatch, WeightGroup, sglang_init_body, sglang_update_body
 from engines.types import (
     EngineBadResponse,
     EngineError,
+    EngineImage,
     EngineInfo,
     EngineRejected,
     EngineUnavailable,
@@ -56,13 +58,40 @@ def sampling_payload(params: SamplingParams) -> dict[str, Any]:
         sp["stop"] = list(params.stop)
     if params.stop_token_ids:
         sp["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+    if params.banned_token_ids:
+        # SamplingParams.logit_bias: Dict[str, float], keys checked against the vocabulary
+        # (sglang/srt/sampling/sampling_params.py), added to the logits before sampling.
+        sp["logit_bias"] = ban_bias(params.banned_token_ids)
     return sp
 
 
 def generate_payload(
-    input_ids: list[int], params: SamplingParams, *, rid: str, logprob_start_len: int, stream: bool
+    input_ids: list[int],
+    params: SamplingParams,
+    *,
+    rid: str,
+    logprob_start_len: int,
+    stream: bool,
+    images: Sequence[EngineImage] = (),
 ) -> dict[str, Any]:
-    """The ``/generate`` body. ``logprob_start_len`` is -1 unless input logprobs are owed."""
+    """The ``/generate`` body. ``logprob_start_len`` is -1 unless input logprobs are owed.
+
+    With ``images`` (spans of the expanded ``input_ids``), each span goes out collapsed to one
+    ``<|image_pad|>`` and ``image_data`` lists the images as data URLs in prompt order: SGLang's
+    Qwen-VL processor expands a single pad per image itself and rejects pre-expanded runs.
+    ``logprob_start_len`` stays in expanded coordinates (SGLang applies it after expansion).
+    """
+    if images:
+        check_spans(input_ids, images)
+        return {
+            "input_ids": [int(t) for t in collapse(input_ids, images)],
+            "image_data": [data_url(img) for img in images],
+            "sampling_params": sampling_payload(params),
+            "return_logprob": True,
+            "logprob_start_len": int(logprob_start_len),
+            "rid": rid,
+            "stream": bool(stream),
+        }
     return {
         "input_ids": [int(t) for t in input_ids],
         "sampling_params": sampling_payload(params),
@@ -95,11 +124,15 @@ def output_tokens(meta: dict, replica: str) -> tuple[list[int], list[float]]:
     return ids, [clean_logprob(t[0]) for t in triples]
 
 
-def input_logprobs(meta: dict, input_ids: list[int], start: int, replica: str) -> list[float | None]:
+def input_logprobs(
+    meta: dict, input_ids: list[int], start: int, replica: str, images: Sequence[EngineImage] = ()
+) -> list[float | None]:
     """Input logprobs for absolute positions ``start..``; the first (null) entry stays None.
 
     Each entry's token id is checked against ``input_ids`` at its absolute position, so an
-    off-by-one between request and reply is an error, never a silently misplaced value.
+    off-by-one between request and reply is an error, never a silently misplaced value. At an
+    image's pad positions SGLang reports id 0 (its per-image pad sentinel, clipped in
+    ``scheduler_components/logprob_result_processor.py``), so those ids are not compared.
     """
     triples = _triples(meta, "input_token_logprobs", replica)
     if start < 0 or not triples:
@@ -111,7 +144,7 @@ def input_logprobs(meta: dict, input_ids: list[int], start: int, replica: str) -
         )
     out: list[float | None] = []
     for j, (lp, tid, *_rest) in enumerate(triples):
-        if isinstance(tid, int) and tid != input_ids[start + j]:
+        if isinstance(tid, int) and tid != input_ids[start + j] and not (images and in_image(start + j, images)):
             raise EngineBadResponse(
                 f"{replica}: input logprob {j} is for token {tid}, expected {input_ids[start + j]} at position {start + j}",
                 replica=replica,
@@ -130,12 +163,33 @@ def _spans(meta: dict) -> tuple[tuple[int, int, str], ...]:
         return ()
 
 
-def parse_response(body: Any, input_ids: list[int], logprob_start_len: int, replica: str) -> Segment:
+def check_expansion(meta: dict, input_ids: list[int], images: Sequence[EngineImage], replica: str) -> None:
+    """The engine expanded the collapsed prompt to exactly Splice's expanded length; if not,
+    its image processor (min/max pixels, merge size) differs from the one Splice rendered with
+    and every position after the first image would be misplaced."""
+    reported = meta.get("prompt_tokens")
+    if not images or not isinstance(reported, int) or reported == 0:
+        return  # text-only, or aborted before the prompt was processed
+    if reported != len(input_ids):
+        sizes = ", ".join(f"{img.length}" for img in images)
+        raise EngineBadResponse(
+            f"{replica}: the engine expanded the {len(images)}-image prompt to {reported} tokens, Splice to "
+            f"{len(input_ids)} (image tokens per image here: {sizes}); the engine's image processor settings "
+            "(min_pixels / max_pixels / merge size) differ from the model folder Splice renders with",
+            replica=replica,
+            retryable=False,
+        )
+
+
+def parse_response(
+    body: Any, input_ids: list[int], logprob_start_len: int, replica: str, images: Sequence[EngineImage] = ()
+) -> Segment:
     """A final ``/generate`` reply (or last stream frame) as a ``Segment``."""
     body = expect_dict(body, replica, "/generate")
     meta = body.get("meta_info")
     if not isinstance(meta, dict):
         raise EngineBadResponse(f"{replica}: /generate reply has no meta_info", replica=replica)
+    check_expansion(meta, input_ids, images, replica)
     ids, lps = output_tokens(meta, replica)
     wire_ids = body.get("output_ids")
     if isinstance(wire_ids, list) and wire_ids and wire_ids != ids:
@@ -152,7 +206,7 @@ def parse_response(body: Any, input_ids: list[int], logprob_start_len: int, repl
         logprobs=lps,
         finish_reason=_FINISH[fr["type"]],
         matched_stop=matched,
-        input_logprobs=input_logprobs(meta, input_ids, logprob_start_len, replica),
+        input_logprobs=input_logprobs(meta, input_ids, logprob_start_len, replica, images),
         input_logprobs_start=max(logprob_start_len, 0),
         prompt_tokens=int(meta.get("prompt_tokens") or 0),
         cached_tokens=int(meta.get("cached_tokens") or 0),
@@ -183,16 +237,19 @@ class SGLangClient:
         input_logprobs_from: int | None = None,
         on_tokens: TokensCallback | None = None,
         routing_key: str | None = None,
+        images: Sequence[EngineImage] = (),
     ) -> Segment:
         start = -1 if input_logprobs_from is None else max(input_logprobs_from - 1, 0)
-        payload = generate_payload(input_ids, params, rid=rid, logprob_start_len=start, stream=on_tokens is not None)
+        payload = generate_payload(
+            input_ids, params, rid=rid, logprob_start_len=start, stream=on_tokens is not None, images=images
+        )
         headers = {ROUTING_HEADER: routing_value(routing_key)} if routing_key else None
         try:
             if on_tokens is None:
                 body = await self.http.request("POST", "/generate", body=payload, timeout=self.timeout_s, headers=headers)
-                return parse_response(body, input_ids, start, self.url)
+                return parse_response(body, input_ids, start, self.url, images)
             async with deadline(self.timeout_s, self.url, "/generate"):  # total, not per read
-                return await self._stream(payload, input_ids, start, on_tokens, headers)
+                return await self._stream(payload, input_ids, start, on_tokens, headers, images)
         except (EngineUnavailable, EngineRejected):
             raise  # the request is not running on the engine
         except BaseException:
@@ -202,7 +259,13 @@ class SGLangClient:
             raise
 
     async def _stream(
-        self, payload: dict, input_ids: list[int], start: int, on_tokens: TokensCallback, headers: dict[str, str] | None
+        self,
+        payload: dict,
+        input_ids: list[int],
+        start: int,
+        on_tokens: TokensCallback,
+        headers: dict[str, str] | None,
+        images: Sequence[EngineImage] = (),
     ) -> Segment:
         emitted = 0
         last: dict | None = None
@@ -212,6 +275,7 @@ class SGLangClient:
                 meta = frame.get("meta_info")
                 if not isinstance(meta, dict):
                     raise EngineBadResponse(f"{self.url}: stream frame without meta_info", replica=self.url)
+                check_expansion(meta, input_ids, images, self.url)  # before any token is passed on
                 if meta.get("input_token_logprobs"):
                     seen_input = meta["input_token_logprobs"]
                 ids, lps = output_tokens(meta, self.url)  # cumulative (SGLang's default)
@@ -223,17 +287,24 @@ class SGLangClient:
             raise EngineBadResponse(f"{self.url}: empty /generate stream", replica=self.url)
         if seen_input is not None and not last["meta_info"].get("input_token_logprobs"):
             last["meta_info"]["input_token_logprobs"] = seen_input
-        return parse_response(last, input_ids, start, self.url)
+        return parse_response(last, input_ids, start, self.url, images)
 
     async def prefill(
-        self, input_ids: list[int], start: int, *, routing_key: str | None = None
+        self,
+        input_ids: list[int],
+        start: int,
+        *,
+        routing_key: str | None = None,
+        images: Sequence[EngineImage] = (),
     ) -> tuple[list[float], str | None]:
         """A prefill-only call: ``max_new_tokens: 0``, ``logprob_start_len = start - 1``."""
         if not 1 <= start <= len(input_ids):
             raise ValueError(f"prefill start must be in [1, {len(input_ids)}], got {start}")
         params = SamplingParams(max_new_tokens=0)
         rid = f"splice-prefill-{uuid.uuid4().hex}"
-        seg = await self.generate(input_ids, params, rid=rid, input_logprobs_from=start, routing_key=routing_key)
+        seg = await self.generate(
+            input_ids, params, rid=rid, input_logprobs_from=start, routing_key=routing_key, images=images
+        )
         return prefill_values(seg, input_ids, start, self.url), seg.weight_version
 
     async def abort(self, rid: str) -> None:

@@ -22,16 +22,20 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     # Token ids the engine must never sample (a vision model's placeholder and vision-control
-    # tokens); sent as a logit bias, and applied the same way in the trainer's log-probs.
+    # ids). Sent as a logit bias only when non-empty, so text-only requests stay unchanged.
     banned_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class EngineImage:
-    """One image of a prompt, as every engine call whose ids hold its placeholders must send it.
+    """One image of a prompt, as an engine call carries it (docs/engines.md, "Images").
 
-    ``offset``/``length``: where its ``<|image_pad|>`` run sits in the (expanded) prompt ids;
-    ``data``: the encoded bytes as the agent sent them; ``hash``: sha256 of the decoded pixels."""
+    ``offset`` / ``length``: the image's run of ``<|image_pad|>`` ids in the *expanded* prompt
+    (index of the first pad, number of pads), which is the coordinate system of every id list
+    and logprob position Splice handles. ``data`` is the image as received (png/jpeg/webp/gif),
+    ``hash`` its content hash (sha256 over the decoded RGB pixels), ``grid_thw`` the image
+    processor's patch grid (``length == t*h*w // merge_size**2``).
+    """
 
     hash: str
     data: bytes

@@ -16,14 +16,20 @@ wire shapes from vLLM 0.32's ``entrypoints/rl/online/api_router.py`` and
   (``{"weight_version": "7"}``; ``"default"`` before any update).
 
 Without dev mode those routes do not exist (HTTP 404): ``info()`` says so at start-up, and the
-calls raise ``EngineUnsupported`` naming the missing setting. vLLM 0.32 does not reload an LM
+calls raise ``EngineUnsupported`` naming the missing setting.
+
+Prompts with images go to ``POST /inference/v1/generate`` (vLLM 0.32's token-in / token-out
+route, ``entrypoints/scale_out/token_in_token_out/``; mounted by ``vllm serve
+--enable-scale-out``, HTTP 403 otherwise) with each image span collapsed to one pad and the
+images as ``content_parts`` (docs/engines.md, "Images"). Text-only prompts stay on
+``/v1/completions``. vLLM 0.32 does not reload an LM
 head tied to the embeddings (``tie_word_embeddings``); ``info().tied_lm_head`` reports it. A
 reload that fails inside vLLM's worker kills its EngineCore (see docs/engines.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 
@@ -32,12 +38,14 @@ import os
 
 from engines.client import TokensCallback, config_ties_head, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, deadline, expect_dict
+from engines.images import ban_bias, check_spans, collapse, data_url
 from engines.resume import parse_version
 from engines.weight_transfer import TensorBatch, WeightGroup, vllm_finish_body, vllm_init_body, vllm_update_body
 from engines.sglang import ROUTING_HEADER, routing_value
 from engines.types import (
     EngineBadResponse,
     EngineError,
+    EngineImage,
     EngineInfo,
     EngineRejected,
     EngineUnsupported,
@@ -50,6 +58,8 @@ log = logging.getLogger(__name__)
 
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _PATH = "/v1/completions"
+GENERATE_PATH = "/inference/v1/generate"
+SCALE_OUT_HINT = "start vLLM with --enable-scale-out (vLLM 0.32) so /inference/v1/generate, the token-in route that carries images, exists"
 DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (vLLM >= 0.19) for its pause / weight endpoints"
 TIED_HEAD_WARNING = (
     "the model ties its LM head to the embeddings (tie_word_embeddings) and vLLM's in-place "
@@ -88,7 +98,170 @@ def completion_payload(
         body["stop"] = list(params.stop)
     if params.stop_token_ids:
         body["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+    if params.banned_token_ids:
+        body["logit_bias"] = ban_bias(params.banned_token_ids)
     return body
+
+
+def generate_tokens_payload(
+    input_ids: list[int],
+    params: SamplingParams,
+    images: Sequence[EngineImage],
+    *,
+    model: str,
+    rid: str,
+    prompt_logprobs: bool,
+    stream: bool,
+) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` body for a prompt with images.
+
+    ``token_ids`` hold one ``<|image_pad|>`` per image (vLLM 0.32 always applies the Qwen-VL
+    prompt update ``[pad] -> [pad] * N`` to token prompts; pre-expanded runs would keep their
+    extra pads as text), ``content_parts`` the images in prompt order. ``sampling_params`` is
+    vLLM's own ``SamplingParams`` (``max_tokens``, ``logprobs: 0`` = the sampled token's
+    logprob, ``prompt_logprobs: 0`` only when owed). ``return_token_ids`` brings back the
+    expanded prompt and its placeholder ranges, which Splice checks against its own spans.
+    """
+    check_spans(input_ids, images)
+    sp: dict[str, Any] = {
+        "max_tokens": int(params.max_new_tokens),
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k),
+        "logprobs": 0,
+        "skip_special_tokens": False,
+    }
+    if prompt_logprobs:
+        sp["prompt_logprobs"] = 0
+    if params.stop:
+        sp["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        sp["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+    if params.banned_token_ids:
+        sp["logit_bias"] = ban_bias(params.banned_token_ids)
+    body: dict[str, Any] = {}
+    if model:
+        body["model"] = model
+    if rid:
+        body["request_id"] = rid
+    body.update(
+        {
+            "token_ids": [int(t) for t in collapse(input_ids, images)],
+            "content_parts": [{"type": "image_url", "url": data_url(img)} for img in images],
+            "sampling_params": sp,
+            "return_token_ids": True,
+            "stream": bool(stream),
+        }
+    )
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def check_placeholders(
+    reply: dict, input_ids: list[int], images: Sequence[EngineImage], replica: str, *, length: int | None = None
+) -> None:
+    """vLLM expanded the collapsed prompt exactly as Splice did: same length and the same
+    ``mm_placeholders`` ranges (present with ``return_token_ids``). A difference means the two
+    image processors (min/max pixels, merge size) disagree."""
+    got = reply.get("mm_placeholders")
+    if isinstance(got, dict):
+        ranges = [(int(r["offset"]), int(r["length"])) for r in got.get("image") or [] if isinstance(r, dict)]
+        want = [(img.offset, img.length) for img in images]
+        if ranges != want:
+            raise EngineBadResponse(
+                f"{replica}: the engine placed the images at {ranges}, Splice at {want} (offset, length); the "
+                "engine's image processor settings (min_pixels / max_pixels / merge size) differ from the model "
+                "folder Splice renders with",
+                replica=replica,
+                retryable=False,
+            )
+    if length is not None and length != len(input_ids):
+        raise EngineBadResponse(
+            f"{replica}: the engine expanded the {len(images)}-image prompt to {length} tokens, Splice to "
+            f"{len(input_ids)}; the engine's image processor settings differ from Splice's",
+            replica=replica,
+            retryable=False,
+        )
+
+
+def _spans(raw: Any) -> tuple[tuple[int, int, str], ...]:
+    """``weight_versions`` (vLLM ``WeightVersionSpan``: version, start, end) as (start, end, version)."""
+    if not isinstance(raw, list):
+        return ()
+    try:
+        return tuple((int(s["start"]), int(s["end"]), str(s["version"])) for s in raw)
+    except (KeyError, TypeError, ValueError):
+        return ()
+
+
+def _matched(fr: str, stop_reason: Any, ids: list[int]) -> int | str | None:
+    if isinstance(stop_reason, (int, str)) and not isinstance(stop_reason, bool):
+        return stop_reason
+    if fr == "stop" and ids:
+        return ids[-1]  # stop_reason null = the EOS token ended it
+    return None
+
+
+def prompt_logprob_values(raw: Any, input_ids: list[int], replica: str) -> list[float | None]:
+    """``prompt_logprobs`` (one entry per expanded prompt position, the first null, each a map
+    ``{"<id>": {"logprob", "rank", "decoded_token"}}`` holding at least the prompt's own id)
+    as the prompt token's logprob per position."""
+    if not isinstance(raw, list) or len(raw) != len(input_ids):
+        n = len(raw) if isinstance(raw, list) else 0
+        raise EngineBadResponse(f"{replica}: {n} prompt logprobs for a {len(input_ids)}-token prompt", replica=replica)
+    out: list[float | None] = []
+    for j, entry in enumerate(raw):
+        if entry is None:
+            if j:
+                raise EngineBadResponse(f"{replica}: no prompt logprob at position {j}", replica=replica)
+            out.append(None)
+            continue
+        value = entry.get(str(input_ids[j])) if isinstance(entry, dict) else None
+        if not isinstance(value, dict):
+            raise EngineBadResponse(
+                f"{replica}: prompt logprob {j} has no entry for token {input_ids[j]}", replica=replica
+            )
+        out.append(clean_logprob(value.get("logprob")))
+    return out
+
+
+def parse_generate(
+    body: Any, input_ids: list[int], images: Sequence[EngineImage], *, prompt_logprobs: bool, replica: str
+) -> Segment:
+    """A ``/inference/v1/generate`` reply (``output_mode`` tokens) as a ``Segment``."""
+    body = expect_dict(body, replica, GENERATE_PATH)
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise EngineBadResponse(f"{replica}: generate reply has no choices", replica=replica)
+    usage = body.get("usage") or {}
+    check_placeholders(body, input_ids, images, replica, length=usage.get("prompt_tokens"))
+    choice = choices[0]
+    ids = choice.get("token_ids") or []
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if not isinstance(ids, list) or not isinstance(content, list) or len(content) != len(ids):
+        raise EngineBadResponse(f"{replica}: token_ids and logprobs.content disagree", replica=replica)
+    try:
+        if [int(c["token_id"]) for c in content] != [int(t) for t in ids]:
+            raise EngineBadResponse(f"{replica}: logprobs.content ids differ from token_ids", replica=replica)
+    except (KeyError, TypeError, ValueError):
+        raise EngineBadResponse(f"{replica}: malformed logprobs.content", replica=replica) from None
+    fr = choice.get("finish_reason")
+    if fr not in _FINISH:
+        raise EngineBadResponse(f"{replica}: missing or unknown finish_reason {fr!r}", replica=replica)
+    details = usage.get("prompt_tokens_details") or {}
+    return Segment(
+        output_ids=[int(t) for t in ids],
+        logprobs=[clean_logprob(c.get("logprob")) for c in content],
+        finish_reason=_FINISH[fr],
+        matched_stop=_matched(fr, choice.get("stop_reason"), ids),
+        input_logprobs=prompt_logprob_values(body.get("prompt_logprobs"), input_ids, replica) if prompt_logprobs else [],
+        input_logprobs_start=0,
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        weight_version=None,
+        weight_version_spans=_spans(choice.get("weight_versions")),
+    )
 
 
 def token_id(token: Any, replica: str) -> int:
@@ -180,12 +353,16 @@ class VLLMClient:
         input_logprobs_from: int | None = None,
         on_tokens: TokensCallback | None = None,
         routing_key: str | None = None,
+        images: Sequence[EngineImage] = (),
     ) -> Segment:
         """One completion call. ``rid`` is unused (closing the connection aborts a request on
-        vLLM); ``routing_key`` goes out as ``X-SMG-Routing-Key`` for a router (smg) in front."""
+        vLLM); ``routing_key`` goes out as ``X-SMG-Routing-Key`` for a router (smg) in front.
+        With ``images`` the call goes to ``/inference/v1/generate`` instead."""
         echo = input_logprobs_from is not None
-        payload = completion_payload(input_ids, params, model=self.model, echo=echo, stream=on_tokens is not None)
         headers = {ROUTING_HEADER: routing_value(routing_key)} if routing_key else None
+        if images:
+            return await self._generate_images(input_ids, params, images, rid, echo, on_tokens, headers)
+        payload = completion_payload(input_ids, params, model=self.model, echo=echo, stream=on_tokens is not None)
         if on_tokens is None:
             body = await self.http.request("POST", _PATH, body=payload, timeout=self.timeout_s, headers=headers)
             return parse_completion(body, input_ids, echo=echo, replica=self.url)
@@ -237,13 +414,103 @@ class VLLMClient:
         }
         return parse_completion(final, input_ids, echo=echo, replica=self.url)
 
+    async def _generate_images(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        images: Sequence[EngineImage],
+        rid: str,
+        prompt_logprobs: bool,
+        on_tokens: TokensCallback | None,
+        headers: dict[str, str] | None,
+    ) -> Segment:
+        """``/inference/v1/generate``. Its stream schema has no prompt logprobs, so a call that
+        owes them runs unstreamed and hands its tokens on in one piece."""
+        stream = on_tokens is not None and not prompt_logprobs
+        payload = generate_tokens_payload(
+            input_ids, params, images, model=self.model, rid=rid, prompt_logprobs=prompt_logprobs, stream=stream
+        )
+        try:
+            if not stream:
+                body = await self.http.request("POST", GENERATE_PATH, body=payload, timeout=self.timeout_s, headers=headers)
+                seg = parse_generate(body, input_ids, images, prompt_logprobs=prompt_logprobs, replica=self.url)
+                if on_tokens is not None and seg.output_ids:
+                    await on_tokens(list(seg.output_ids), list(seg.logprobs))
+                return seg
+            async with deadline(self.timeout_s, self.url, GENERATE_PATH):
+                return await self._stream_generate(payload, input_ids, images, on_tokens, headers)
+        except EngineRejected as exc:
+            if " HTTP 403:" in str(exc) and "scale-out" in str(exc).lower():
+                raise EngineUnsupported(f"{self.url}{GENERATE_PATH} is disabled: {SCALE_OUT_HINT}", replica=self.url) from exc
+            if " HTTP 404:" in str(exc):
+                raise EngineUnsupported(f"{self.url}{GENERATE_PATH} does not exist: {SCALE_OUT_HINT}", replica=self.url) from exc
+            raise
+
+    async def _stream_generate(
+        self,
+        payload: dict,
+        input_ids: list[int],
+        images: Sequence[EngineImage],
+        on_tokens: TokensCallback,
+        headers: dict[str, str] | None,
+    ) -> Segment:
+        """Collect ``/inference/v1/generate`` SSE chunks: token deltas per chunk, the expanded
+        prompt's placeholders on the first, ``weight_versions`` on the last choice chunk, usage
+        in a final chunk without choices."""
+        ids: list[int] = []
+        content: list[dict] = []
+        finish: str | None = None
+        stop_reason: Any = None
+        spans: Any = None
+        usage: dict = {}
+        async with self.http.stream(GENERATE_PATH, payload, timeout=self.timeout_s, headers=headers) as resp:
+            async for chunk in self.http.sse(resp, GENERATE_PATH):
+                if "mm_placeholders" in chunk:
+                    check_placeholders(chunk, input_ids, images, self.url)  # before any token is passed on
+                if isinstance(chunk.get("usage"), dict):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    new = [int(t) for t in choice.get("token_ids") or []]
+                    lps = (choice.get("logprobs") or {}).get("content") or []
+                    if len(lps) != len(new):
+                        raise EngineBadResponse(f"{self.url}: stream chunk token_ids and logprobs disagree", replica=self.url)
+                    ids.extend(new)
+                    content.extend(lps)
+                    if choice.get("weight_versions") is not None:
+                        spans = choice["weight_versions"]
+                    if choice.get("finish_reason") is not None:
+                        finish, stop_reason = choice["finish_reason"], choice.get("stop_reason")
+                    if new:
+                        await on_tokens(new, [clean_logprob(c.get("logprob")) for c in lps])
+        final = {
+            "choices": [
+                {
+                    "token_ids": ids,
+                    "logprobs": {"content": content},
+                    "finish_reason": finish,
+                    "stop_reason": stop_reason,
+                    "weight_versions": spans,
+                }
+            ],
+            "usage": usage,
+        }
+        return parse_generate(final, input_ids, images, prompt_logprobs=False, replica=self.url)
+
     async def prefill(
-        self, input_ids: list[int], start: int, *, routing_key: str | None = None
+        self,
+        input_ids: list[int],
+        start: int,
+        *,
+        routing_key: str | None = None,
+        images: Sequence[EngineImage] = (),
     ) -> tuple[list[float], str | None]:
-        """A prompt-logprobs call: ``max_tokens: 1``, ``echo: true``; the sampled token is dropped."""
+        """A prompt-logprobs call: ``max_tokens: 1``, ``echo: true`` (``prompt_logprobs: 0``
+        with images); the sampled token is dropped."""
         if not 1 <= start <= len(input_ids):
             raise ValueError(f"prefill start must be in [1, {len(input_ids)}], got {start}")
-        seg = await self.generate(input_ids, SamplingParams(max_new_tokens=1), rid="", input_logprobs_from=start, routing_key=routing_key)
+        seg = await self.generate(
+            input_ids, SamplingParams(max_new_tokens=1), rid="", input_logprobs_from=start, routing_key=routing_key, images=images
+        )
         return prefill_values(seg, input_ids, start, self.url), None
 
     async def _dev(self, method: str, path: str, body: dict | None = None, *, timeout: float | None = None):
