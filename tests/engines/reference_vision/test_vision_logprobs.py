@@ -126,3 +126,29 @@ def test_the_same_image_is_processed_once(vision_dir, images, oracle):
     want = oracle.image_processor(images=[Image.open(io.BytesIO(images[0])).convert("RGB")], return_tensors="pt")
     assert tuple(want["image_grid_thw"][0].tolist()) == a.grid_thw and a.n_tokens == 20
     assert (want["pixel_values"] == a.pixel_values).all()
+
+
+def test_vllm_generate_stream_matches_the_full_response(vengine, oracle, images):
+    import httpx
+    import orjson
+
+    text, imgs = one_image(oracle, images)
+    body = {
+        "token_ids": oracle.collapsed_ids(text),
+        "content_parts": [{"type": "image_url", "url": data_url(imgs[0])}],
+        "sampling_params": {"max_tokens": 5, "temperature": 0, "logprobs": 0, "ignore_eos": True},
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    full = post(vengine, "/inference/v1/generate", {**body, "stream": False})
+    with httpx.stream("POST", vengine + "/inference/v1/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    chunks = [orjson.loads(f) for f in frames[:-1]]
+    assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert sum((c["token_ids"] for c in choices), []) == full["choices"][0]["token_ids"]
+    assert [x["logprob"] for c in choices for x in c["logprobs"]["content"]] == [x["logprob"] for x in full["choices"][0]["logprobs"]["content"]]
+    assert choices[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 5
