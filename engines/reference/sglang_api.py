@@ -276,6 +276,9 @@ def build_response(state: EngineState, job: Job, snap: Snapshot, opts: dict, t0:
 
         start = opts["logprob_start_len"]
         in_ids = job.input_ids[start:] if start >= 0 else []
+        if job.images:  # SGLang holds image positions as hash sentinels and reports their ids as 0
+            pad = state.lm.vision.image_pad_id
+            in_ids = [0 if t == pad else t for t in in_ids]
         meta["input_token_logprobs"] = [entry(lp, tid) for lp, tid in zip(snap.input_logprobs, in_ids)]
         meta["output_token_logprobs"] = [entry(lp, tid) for lp, tid in zip(snap.output_logprobs, snap.output_ids)]
         if opts["top_logprobs_num"]:

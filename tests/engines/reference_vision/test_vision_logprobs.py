@@ -41,7 +41,8 @@ def test_sglang_expansion_and_logprobs_equal_a_forward_with_pixels(vengine, orac
     meta = out["meta_info"]
     # expanded coordinates: the processor's own ids, one entry per expanded prompt position
     assert meta["prompt_tokens"] == len(want_ids) == len(collapsed) + sum(g[0] * g[1] * g[2] // 4 - 1 for g in grids)
-    assert [e[1] for e in meta["input_token_logprobs"]] == want_ids
+    # SGLang reports the ids of image positions as 0 (they hold hash sentinels there)
+    assert [e[1] for e in meta["input_token_logprobs"]] == [0 if t == IMAGE_PAD_ID else t for t in want_ids]
     ids = out["output_ids"]
     assert len(ids) == 8
     want = oracle.logprobs(want_ids + ids, imgs)
@@ -68,7 +69,7 @@ def test_input_logprobs_from_a_start_inside_the_prompt(vengine, oracle, images, 
     meta = post(vengine, "/generate", body)["meta_info"]
     entries = meta["input_token_logprobs"]
     assert len(entries) == len(want_ids) - start and entries[0][0] is None
-    assert [e[1] for e in entries] == want_ids[start:]
+    assert [e[1] for e in entries] == [0 if t == IMAGE_PAD_ID else t for t in want_ids[start:]]
     assert_close([e[0] for e in entries[1:]], oracle.logprobs(want_ids, imgs)[start + 1 :], f"input from {start}")
 
 
@@ -152,3 +153,12 @@ def test_vllm_generate_stream_matches_the_full_response(vengine, oracle, images)
     assert sum((c["token_ids"] for c in choices), []) == full["choices"][0]["token_ids"]
     assert [x["logprob"] for c in choices for x in c["logprobs"]["content"]] == [x["logprob"] for x in full["choices"][0]["logprobs"]["content"]]
     assert choices[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_text_only_prompt_on_the_vision_model(vengine, oracle):
+    ids = oracle.collapsed_ids(oracle.chat_text([{"type": "text", "text": "No picture today."}]))
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "sampling_seed": 4, "ignore_eos": True}, "return_logprob": True, "logprob_start_len": 2}
+    out = post(vengine, "/generate", body)
+    want = oracle.logprobs(ids + out["output_ids"], [])
+    assert_close([e[0] for e in out["meta_info"]["output_token_logprobs"]], want[len(ids) :], "text-only output")
+    assert_close([e[0] for e in out["meta_info"]["input_token_logprobs"][1:]], want[3 : len(ids)], "text-only input")
