@@ -294,7 +294,10 @@ def make_router(state: EngineState) -> APIRouter:
     async def generate(request: Request):
         t0 = time.monotonic()
         try:
-            job, opts = await asyncio.to_thread(parse_generate, await read_json(request), state)
+            body = await read_json(request)
+            if body.get("image_data") and state.images is not None:  # decode + process off the event loop
+                await asyncio.to_thread(state.images.prefetch, body["image_data"])
+            job, opts = parse_generate(body, state)
             watch = await state.admit(job, request)
         except BadRequest as e:
             return error_response(str(e), e.status)

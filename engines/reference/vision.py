@@ -129,6 +129,14 @@ class ImageProcessor:
         self._lock = threading.Lock()
         self.processed = 0  # images run through the processor since start (a debug counter)
 
+    def prefetch(self, urls) -> None:
+        """Process what can be processed now (errors are raised later, where the request is parsed)."""
+        for url in [urls] if isinstance(urls, str) else urls if isinstance(urls, list) else []:
+            try:
+                self.process(url)
+            except ImageInputError:
+                pass
+
     def process(self, url: str) -> ProcessedImage:
         """The processed image for a data URL (cached by bytes digest, then by content hash)."""
         data = decode_data_url(url)

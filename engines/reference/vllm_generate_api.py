@@ -96,7 +96,7 @@ def parse_request(body: dict, state: EngineState, request: Request) -> tuple[Job
         if sp.get(key) not in allowed:
             raise BadRequest(f"sampling_params.{key}={sp.get(key)!r} is not supported by the reference engine")
     g = {k: v for k, v in sp.items() if v is not None}
-    max_tokens = _int(g["max_tokens"], "max_tokens") if "max_tokens" in sp else lm.context_len - len(ids)
+    max_tokens = _int(g["max_tokens"], "max_tokens") if "max_tokens" in g else lm.context_len - len(ids)
     if max_tokens < 0:
         raise BadRequest(f"max_tokens must be at least 0, got {max_tokens}.")
     logprobs = _int(g["logprobs"], "logprobs") if "logprobs" in g else None
