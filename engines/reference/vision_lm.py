@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,6 @@ class VisionCache:
 
     kv: object
     rope_delta: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class VisionLanguageModel(LanguageModel):

@@ -162,3 +162,41 @@ def test_text_only_prompt_on_the_vision_model(vengine, oracle):
     want = oracle.logprobs(ids + out["output_ids"], [])
     assert_close([e[0] for e in out["meta_info"]["output_token_logprobs"]], want[len(ids) :], "text-only output")
     assert_close([e[0] for e in out["meta_info"]["input_token_logprobs"][1:]], want[3 : len(ids)], "text-only input")
+
+
+def test_interleaved_requests_keep_their_own_mrope_offsets(vengine, oracle, images):
+    """Two requests with different images (different M-RoPE offsets) decode at the same time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [one_image(oracle, images), two_images(oracle, images)]
+
+    def run(i):
+        text, imgs = prompts[i]
+        body = {"input_ids": oracle.collapsed_ids(text), "image_data": [data_url(b) for b in imgs], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 15, "sampling_seed": 7 + i, "ignore_eos": True}}
+        return post(vengine, "/generate", body)
+
+    with ThreadPoolExecutor(2) as ex:
+        outs = list(ex.map(run, range(2)))
+    for (text, imgs), out in zip(prompts, outs):
+        expanded, _ = oracle.expanded(text, imgs)
+        want = oracle.logprobs(expanded + out["output_ids"], imgs)
+        assert_close([e[0] for e in out["meta_info"]["output_token_logprobs"]], want[len(expanded) :], "interleaved")
+
+
+def test_sglang_text_input_with_images_and_streaming(vengine, oracle, images):
+    import httpx
+    import orjson
+
+    text, imgs = one_image(oracle, images)
+    expanded, _ = oracle.expanded(text, imgs)
+    body = {"text": text, "image_data": data_url(imgs[0]), "return_logprob": True, "stream": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    with httpx.stream("POST", vengine + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    last = orjson.loads(frames[-2])
+    assert last["meta_info"]["prompt_tokens"] == len(expanded) and len(last["output_ids"]) == 4
+    want = oracle.logprobs(expanded + last["output_ids"], imgs)
+    assert_close([e[0] for e in last["meta_info"]["output_token_logprobs"]], want[len(expanded) :], "streamed")
