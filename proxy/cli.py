@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     sub.add_parser("engine", help="run the CPU reference engine (SGLang/vLLM subset)", add_help=False)
-    sub.add_parser("init-model", help="write the tiny Qwen3-architecture model with the real Qwen3 tokenizer", add_help=False)
+    sub.add_parser("init-model", help="write the tiny Qwen3-architecture model with the real Qwen3 tokenizer (--vision: a tiny Qwen2.5-VL one)", add_help=False)
     sub.add_parser("demo", help="the whole loop: engine, proxy, agents, trainer", add_help=False)
     sub.add_parser("train", help="the GRPO trainer loop against one or more proxies", add_help=False)
     sub.add_parser("publish", help="publish weights to a fleet of proxies (each engine loads once, from a path or by torch.distributed broadcast)", add_help=False)

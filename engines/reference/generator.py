@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .lm import LanguageModel
-from .sampling import GenParams, sample, token_logprobs
+from .sampling import GenParams, apply_logit_bias, sample, token_logprobs
 from .script import Script
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class Snapshot:
     output_ids: list[int]
     output_logprobs: list[float]
     output_top: list[TopList]
+    output_ranks: list[int]
     input_logprobs: list[float | None]
     input_top: list[TopList | None]
     input_ranks: list[int | None]
@@ -61,11 +62,13 @@ class Job:
     params: GenParams
     input_logprobs_from: int | None = None  # first prompt position to report; None: none
     input_top_logprobs: int = 0
+    images: tuple = ()  # vision.ImageSpan per image of input_ids (expanded), prompt order
     on_update: Callable[[], None] | None = None  # called on the worker thread after each change
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[TopList] = field(default_factory=list)
+    output_ranks: list[int] = field(default_factory=list)  # 1 = the most likely token
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top: list[TopList | None] = field(default_factory=list)
     input_ranks: list[int | None] = field(default_factory=list)  # 1 = the most likely token
@@ -86,6 +89,7 @@ class Job:
                 list(self.output_ids),
                 list(self.output_logprobs),
                 list(self.output_top),
+                list(self.output_ranks),
                 list(self.input_logprobs),
                 list(self.input_top),
                 list(self.input_ranks),
@@ -325,7 +329,11 @@ class Worker:
         start = job.input_logprobs_from
         keep_from = len(ids) - 1 if start is None else min(start, len(ids) - 1)
         job._cache = self.lm.new_cache()
-        hidden = self.lm.prefill(ids, job._cache, keep_from=keep_from)
+        try:
+            hidden = self.lm.prefill(ids, job._cache, keep_from=keep_from, images=job.images)
+        except ValueError as e:  # a request the model cannot take (checked before admission; a backstop)
+            self._finish(job, Finish("abort", message=f"prefill failed: {e}"))
+            return
         input_lps: list[float | None] = []
         input_top: list[TopList | None] = []
         input_ranks: list[int | None] = []
@@ -368,22 +376,25 @@ class Worker:
         self._active.append(job)
         self._notify(job)
 
-    def _choose(self, job: Job) -> int:
+    def _choose(self, job: Job, logits: torch.Tensor) -> int:
         if job._script is not None:
             entry, startpos = job._script
             return self.script.entries[entry][startpos + len(job.output_ids)]
-        return sample(job._logits, job.params, job._gen)
+        return sample(logits, job.params, job._gen)
 
     def _step(self, job: Job) -> None:
         """Emit one token for ``job``, then either finish it or feed the token back."""
         p = job.params
-        tok = self._choose(job)
-        lsm = token_logprobs(job._logits, p)
+        biased = apply_logit_bias(job._logits, p)
+        tok = self._choose(job, biased)
+        lsm = token_logprobs(biased if p.bias_logprobs else job._logits, p)
         lp = float(lsm[tok])
+        rank = int((lsm > lsm[tok]).sum()) + 1
         top = _top(lsm, p.top_logprobs)
         with job.lock:
             job.output_ids.append(tok)
             job.output_logprobs.append(lp)
+            job.output_ranks.append(rank)
             if p.top_logprobs:
                 job.output_top.append(top)
         finish = self._check_finish(job, tok)

@@ -44,23 +44,55 @@ def load_tokenizer(model_dir: str | os.PathLike):
     return _tokenizer_cached(path, os.path.getmtime(tj) if os.path.exists(tj) else 0.0)
 
 
+def is_vision_model_dir(model_dir: str | os.PathLike) -> bool:
+    """Whether ``model_dir`` holds a Qwen2-VL-family vision-language model (by its config)."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return False
+    cfg = json.loads(path.read_text())
+    archs = cfg.get("architectures") or []
+    return cfg.get("model_type") in VISION_MODEL_TYPES or any(a in VISION_ARCHITECTURES for a in archs)
+
+
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+
+
+def load_language_model(model_dir: str | os.PathLike) -> "LanguageModel":
+    """The right ``LanguageModel`` for ``model_dir``: a vision-language one when its config says so."""
+    if is_vision_model_dir(model_dir):
+        from .vision_lm import VisionLanguageModel
+
+        return VisionLanguageModel(model_dir)
+    return LanguageModel(model_dir)
+
+
 class LanguageModel:
     """A float32 transformers causal LM plus its tokenizer and stop (EOS) token ids."""
 
-    def __init__(self, model_dir: str | os.PathLike):
-        from transformers import AutoModelForCausalLM
+    vision = None  # a VisionConfig on vision-language models (``vision_lm.VisionLanguageModel``)
 
+    def __init__(self, model_dir: str | os.PathLike):
         _quiet_transformers()
         self.model_dir = str(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.model = self._load(self.model_dir).eval()
         self.model.requires_grad_(False)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.config = self.model.config
-        self.vocab_size = int(self.config.vocab_size)
-        self.context_len = int(getattr(self.config, "max_position_embeddings", 0) or 32768)
+        text_cfg = self.config.get_text_config()
+        self.vocab_size = int(text_cfg.vocab_size)
+        self.context_len = int(getattr(text_cfg, "max_position_embeddings", 0) or 32768)
         self.eos_ids = self._eos_ids()
         self._base = self.model.base_model
         self._head = self.model.get_output_embeddings()
+
+    @staticmethod
+    def _load(model_dir: str):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
     def _eos_ids(self) -> frozenset[int]:
         """EOS ids from the model config, its generation config and the tokenizer, like SGLang."""
@@ -82,8 +114,10 @@ class LanguageModel:
         return DynamicCache(config=self.config)
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], cache, *, keep_from: int) -> torch.Tensor:
+    def prefill(self, ids: list[int], cache, *, keep_from: int, images=()) -> torch.Tensor:
         """Run ``ids`` through the model into ``cache``; return final hidden states of positions ``keep_from..``."""
+        if images:
+            raise ValueError("this model takes no images")
         kept = []
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[start : start + PREFILL_CHUNK]
@@ -134,6 +168,7 @@ class LanguageModel:
         """
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers()))
+        loaded = {self.module_name(k): v for k, v in loaded.items()}
         tied = self._tied_names()
         unexpected = sorted(k for k in loaded if k not in params)
         if unexpected:
@@ -153,7 +188,11 @@ class LanguageModel:
         shares), or None."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers()))
-        return params.get(name)
+        return params.get(self.module_name(name))
+
+    def module_name(self, name: str) -> str:
+        """The model's parameter name for a checkpoint tensor name (they differ for some architectures)."""
+        return name
 
     @property
     def device(self) -> torch.device:

@@ -295,7 +295,7 @@ def warm_start(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``init-model DIR [--seed N] [--hidden-size N] [--layers N] [--head-dim N] [--max-position-embeddings N] [--warm-start FILE] [--perturb-from DIR]``."""
+    """CLI: ``init-model DIR [--vision] [--seed N] [--hidden-size N] [--layers N] [--head-dim N] [--max-position-embeddings N] [--warm-start FILE] [--perturb-from DIR]``."""
     p = argparse.ArgumentParser(prog="init-model", description="write a tiny random Qwen3 model with the real Qwen3 tokenizer")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
@@ -316,7 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the warm start")
     p.add_argument("--perturb-from", metavar="DIR", help="instead, write a perturbed copy of DIR (noise seeded by --seed)")
     p.add_argument("--scale", type=float, default=0.05, help="noise scale for --perturb-from")
+    p.add_argument("--vision", action="store_true",
+                   help="instead, write the tiny Qwen2.5-VL-architecture vision-language model (seeded by --seed) "
+                        "with its image processor config and the family chat template")
     a = p.parse_args(argv)
+    if a.vision:
+        if a.perturb_from or a.warm_start:
+            p.error("--vision cannot be combined with --perturb-from or --warm-start")
+        from .vision_files import init_vision_model
+
+        print(init_vision_model(a.dir, seed=a.seed), flush=True)
+        return 0
     if a.max_position_embeddings < 16:
         p.error("--max-position-embeddings must be at least 16")
     if a.head_dim < 1 or a.heads < 1 or a.kv_heads < 1 or a.heads % a.kv_heads:

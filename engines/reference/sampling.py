@@ -29,6 +29,8 @@ class GenParams:
     seed: int | None = None
     scale_logprobs: bool = True  # True: log_softmax(logits / T) (SGLang); False: raw (vLLM)
     top_logprobs: int = 0  # alternatives returned per output position
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits before sampling
+    bias_logprobs: bool = True  # True: output logprobs include the bias (SGLang); False: raw (vLLM)
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +84,15 @@ def sample(logits: torch.Tensor, p: GenParams, gen: torch.Generator) -> int:
     while probs[idx] <= 0 and idx > 0:  # rounding at the top end can land on a masked tail
         idx -= 1
     return idx
+
+
+def apply_logit_bias(logits: torch.Tensor, p: GenParams) -> torch.Tensor:
+    """``logits`` plus the request's ``logit_bias`` (a new tensor; the input is left unchanged)."""
+    if not p.logit_bias:
+        return logits
+    ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
+    vals = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype)
+    return logits.index_add(0, ids, vals)
 
 
 def token_logprobs(logits: torch.Tensor, p: GenParams) -> torch.Tensor:

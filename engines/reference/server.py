@@ -15,9 +15,9 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from . import sglang_api, vllm_api, weight_api
+from . import sglang_api, vllm_api, vllm_generate_api, weight_api
 from .generator import Worker
-from .lm import LanguageModel
+from .lm import load_language_model
 from .model_init import IM_END_ID
 from .script import Script, load_script
 from .state import EngineState
@@ -44,7 +44,7 @@ def create_app(
     (0: as fast as the CPU goes). ``seed`` seeds requests that carry no sampling seed.
     ``weight_sync_timeout_s`` bounds joining a weight-update group and each broadcast.
     """
-    lm = LanguageModel(model_dir)
+    lm = load_language_model(model_dir)
     scripted = None
     if script is not None:
         texts = load_script(script) if isinstance(script, (str, os.PathLike)) else list(script)
@@ -66,6 +66,7 @@ def create_app(
     app.state.engine = state
     app.include_router(sglang_api.make_router(state))
     app.include_router(vllm_api.make_router(state))
+    app.include_router(vllm_generate_api.make_router(state))
     state.weight_groups = WeightGroups(lm.device, timeout_s=weight_sync_timeout_s)
     app.include_router(weight_api.make_router(state, state.weight_groups))
     return app
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m engines.reference --model DIR [--host] [--port] [--script FILE] ...``."""
     p = argparse.ArgumentParser(prog="splice engine", description="CPU reference engine (SGLang /generate + vLLM /v1/completions)")
     p.add_argument("--model", help="model dir (default: the bundled tiny Qwen3 model, created on first use)")
+    p.add_argument("--vision", action="store_true",
+                   help="without --model: serve the bundled tiny Qwen2.5-VL-architecture model (created on first use)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--script", help="JSON list of assistant texts to emit instead of sampling")
@@ -95,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, a.threads))
     logging.basicConfig(level=a.log_level.upper())
     model = a.model
-    if model is None:
+    if model is None and a.vision:
+        from .vision_files import ensure_vision_model
+
+        model = str(ensure_vision_model())
+    elif model is None:
         from .model_init import ensure_model
 
         model = str(ensure_model())

@@ -20,6 +20,7 @@ from .generator import Finish, Job, Snapshot
 from .sampling import GenParams, check_ranges
 from .state import SSE_DONE, BadRequest, ClientGone, EngineState, error_response, json_response, read_json, sse
 from .text import output_text
+from .vision import ImageInputError, check_no_images, expand_single_pads
 
 SAMPLING_KEYS = {
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
@@ -33,11 +34,10 @@ UNSUPPORTED_DEFAULTS = {
     "stop_regex": (None, [], ""), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0), "min_new_tokens": (0,), "n": (1,), "json_schema": (None,),
     "regex": (None,), "ebnf": (None,), "structural_tag": (None,), "custom_params": (None, {}),
-    "logit_bias": (None, {}),
 }  # fmt: skip
 # Top-level /generate fields the reference engine cannot honour unless left at these values.
 UNSUPPORTED_TOP = {
-    "input_embeds": (None,), "image_data": (None, []), "audio_data": (None, []), "video_data": (None, []),
+    "input_embeds": (None,), "audio_data": (None, []), "video_data": (None, []),
     "lora_path": (None,), "custom_logit_processor": (None,), "token_ids_logprob": (None, []),
     "return_hidden_states": (None, False),
 }  # fmt: skip
@@ -95,7 +95,25 @@ def check_input_ids(ids, vocab_size: int, context_len: int) -> list[int]:
     return out
 
 
-def parse_sampling(sp: dict) -> tuple[GenParams, dict]:
+def _logit_bias(v, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """SGLang's ``logit_bias``: ``{"token id as a string": bias}``, added to the logits before sampling."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise BadRequest(f"logit_bias must be an object mapping token ids to biases, got {v!r}")
+    out = []
+    for key, bias in v.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}") from None
+        if not 0 <= tid < vocab_size:
+            raise BadRequest(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
+        out.append((tid, _float(bias, f"logit_bias[{key!r}]")))
+    return tuple(out)
+
+
+def parse_sampling(sp: dict, vocab_size: int = 1 << 31) -> tuple[GenParams, dict]:
     """SGLang ``sampling_params`` -> (GenParams, text options). Raises BadRequest."""
     if not isinstance(sp, dict):
         raise BadRequest("sampling_params must be an object")
@@ -121,6 +139,8 @@ def parse_sampling(sp: dict) -> tuple[GenParams, dict]:
         ignore_eos=_bool(g.get("ignore_eos", False), "ignore_eos"),
         seed=_int(g["sampling_seed"], "sampling_seed") if "sampling_seed" in g else None,
         scale_logprobs=True,
+        logit_bias=_logit_bias(g.get("logit_bias"), vocab_size),
+        bias_logprobs=True,  # SGLang reports logprobs of the processed (biased, tempered) logits
     )
     try:
         check_ranges(params)
@@ -148,7 +168,8 @@ def parse_generate(body: dict, state: EngineState) -> tuple[Job, dict]:
         raise BadRequest("batch requests (a list of prompts) are not supported by the reference engine; send one request per prompt")
     else:
         raise BadRequest("Either text or input_ids should be provided.")
-    params, text_opts = parse_sampling(body.get("sampling_params") or {})
+    ids, images = attach_images(ids, body.get("image_data"), state)
+    params, text_opts = parse_sampling(body.get("sampling_params") or {}, lm.vocab_size)
     return_logprob = _bool(body.get("return_logprob") or False, "return_logprob")
     start = body.get("logprob_start_len")
     start = -1 if start is None else _int(start, "logprob_start_len")
@@ -174,6 +195,7 @@ def parse_generate(body: dict, state: EngineState) -> tuple[Job, dict]:
         params=params,
         input_logprobs_from=start if (return_logprob and start >= 0) else None,
         input_top_logprobs=top_n if return_logprob else 0,
+        images=tuple(images),
     )
     opts = {
         **text_opts,
@@ -184,6 +206,31 @@ def parse_generate(body: dict, state: EngineState) -> tuple[Job, dict]:
         "stream": _bool(body.get("stream") or False, "stream"),
     }
     return job, opts
+
+
+def attach_images(ids: list[int], image_data, state: EngineState) -> tuple[list[int], list]:
+    """Expand each image's single ``<|image_pad|>`` in ``ids`` to its processor count (as SGLang's
+    ``build_input_ids``); returns ``(expanded ids, image spans)``. Raises BadRequest."""
+    vcfg = state.lm.vision
+    if image_data is None or image_data == []:
+        try:
+            check_no_images(ids, vcfg)
+        except ImageInputError as e:
+            raise BadRequest(str(e)) from None
+        return ids, []
+    if vcfg is None:
+        raise BadRequest(f"image_data was sent but the served model ({state.served_model_name}) is not a vision-language model")
+    urls = [image_data] if isinstance(image_data, str) else image_data
+    if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+        raise BadRequest("image_data must be a data URL or a list of data URLs (one per image, in prompt order)")
+    try:
+        images = [state.images.process(u) for u in urls]
+        ids, spans = expand_single_pads(ids, images, vcfg, server="SGLang's /generate (build_input_ids)")
+    except ImageInputError as e:
+        raise BadRequest(str(e)) from None
+    if len(ids) >= state.lm.context_len:
+        raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length ({state.lm.context_len} tokens).")
+    return ids, spans
 
 
 def finish_json(f: Finish | None, params: GenParams) -> dict | None:
@@ -229,6 +276,9 @@ def build_response(state: EngineState, job: Job, snap: Snapshot, opts: dict, t0:
 
         start = opts["logprob_start_len"]
         in_ids = job.input_ids[start:] if start >= 0 else []
+        if job.images:  # SGLang holds image positions as hash sentinels and reports their ids as 0
+            pad = state.lm.vision.image_pad_id
+            in_ids = [0 if t == pad else t for t in in_ids]
         meta["input_token_logprobs"] = [entry(lp, tid) for lp, tid in zip(snap.input_logprobs, in_ids)]
         meta["output_token_logprobs"] = [entry(lp, tid) for lp, tid in zip(snap.output_logprobs, snap.output_ids)]
         if opts["top_logprobs_num"]:
@@ -244,7 +294,10 @@ def make_router(state: EngineState) -> APIRouter:
     async def generate(request: Request):
         t0 = time.monotonic()
         try:
-            job, opts = parse_generate(await read_json(request), state)
+            body = await read_json(request)
+            if body.get("image_data") and state.images is not None:  # decode + process off the event loop
+                await asyncio.to_thread(state.images.prefetch, body["image_data"])
+            job, opts = parse_generate(body, state)
             watch = await state.admit(job, request)
         except BadRequest as e:
             return error_response(str(e), e.status)
@@ -336,7 +389,7 @@ def make_router(state: EngineState) -> APIRouter:
                 "weight_update_groups": state.weight_groups.names() if state.weight_groups is not None else [],
                 "weight_update_groups_joined": state.weight_groups.joined if state.weight_groups is not None else 0,
                 "tensor_updates": state.worker.tensor_updates,
-                "has_image_understanding": False,
+                "has_image_understanding": state.lm.vision is not None,
                 "has_audio_understanding": False,
                 "model_type": getattr(cfg, "model_type", None),
                 "architectures": getattr(cfg, "architectures", None),

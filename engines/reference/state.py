@@ -39,6 +39,11 @@ class EngineState:
         self.inflight: dict[str, Job] = {}
         self._running: asyncio.Event | None = None
         self.weight_groups = None  # weight_sync.WeightGroups, set by the app factory
+        self.images = None  # vision.ImageProcessor when the model takes images
+        if lm.vision is not None:
+            from .vision import ImageProcessor
+
+            self.images = ImageProcessor(lm.vision)
 
     @property
     def running(self) -> asyncio.Event:

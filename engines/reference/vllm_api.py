@@ -20,12 +20,13 @@ from .sampling import GenParams, check_ranges
 from .sglang_api import _bool, _float, _int, _stop_ids, _stop_strs, check_input_ids
 from .state import SSE_DONE, BadRequest, ClientGone, EngineState, json_response, read_json, sse
 from .text import decode, output_text
+from .vision import ImageInputError, check_no_images
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 CLAMP = -9999.0
 UNSUPPORTED_DEFAULTS = {
     "n": (None, 1), "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0), "logit_bias": (None, {}),
+    "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
     "allowed_token_ids": (None, []), "bad_words": (None, []), "suffix": (None, ""), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     "response_format": (None,), "use_beam_search": (None, False),
@@ -38,6 +39,24 @@ def vllm_error(message: str, status: int = 400, kind: str = "BadRequestError") -
 
 def _clamp(lp: float | None) -> float | None:
     return None if lp is None else max(lp, CLAMP)
+
+
+def vllm_logit_bias(v, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """vLLM's ``logit_bias``: token id (int or digit string) -> bias, clamped to [-100, 100]."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise BadRequest("logit_bias must be an object mapping token ids to biases")
+    out = []
+    for key, bias in v.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias contains key(s) that cannot be converted to token ids: {key!r}") from None
+        if not 0 <= tid < vocab_size:
+            raise BadRequest(f"token_id(s) [{tid}] in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}")
+        out.append((tid, min(100.0, max(-100.0, _float(bias, "logit_bias value")))))
+    return tuple(out)
 
 
 def parse_completion(body: dict, state: EngineState, request: Request) -> tuple[Job, dict]:
@@ -57,6 +76,10 @@ def parse_completion(body: dict, state: EngineState, request: Request) -> tuple[
     if prompt is None:
         raise BadRequest("prompt is required")
     ids = check_input_ids(prompt, lm.vocab_size, lm.context_len)
+    try:
+        check_no_images(ids, lm.vision)
+    except ImageInputError as e:
+        raise BadRequest(f"{e} (/v1/completions takes no images here; use /inference/v1/generate with content_parts)") from None
     g = {k: v for k, v in body.items() if v is not None}
     max_tokens = _int(g["max_tokens"], "max_tokens") if "max_tokens" in g else (16 if "max_tokens" not in body else lm.context_len - len(ids))
     if max_tokens < 0:
@@ -80,6 +103,8 @@ def parse_completion(body: dict, state: EngineState, request: Request) -> tuple[
         seed=_int(g["seed"], "seed") if "seed" in g else None,
         scale_logprobs=False,
         top_logprobs=logprobs or 0,
+        logit_bias=vllm_logit_bias(g.get("logit_bias"), lm.vocab_size),
+        bias_logprobs=False,  # vLLM's default logprobs_mode is raw_logprobs
     )
     try:
         check_ranges(params)
