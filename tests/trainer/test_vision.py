@@ -449,3 +449,55 @@ def test_arrow_pull_carries_image_references():
     assert sample["images"] == refs
     assert pack([dict(sample, loss_mask=[0, 1, 1], logprobs=[0, -1, -1], versions=[-1, 1, 1],
                       proximal_logprobs_t=[0, -1, -1], proximal_versions=[-1, 1, 1])], [0], [1.0]).input_ids.shape == (1, 3)
+
+
+# -- the whole loop: pull, fetch once per hash, step, publish ---------------------------------------
+
+
+class ImageProxy:
+    """The ProxyClient methods train() uses, plus the image route (images from ``store``)."""
+
+    def __init__(self, batches, store):
+        self.batches, self.store, self._version, self.fetched, self.published = list(batches), store, 5, [], []
+
+    def version(self):
+        return self._version
+
+    def pull(self, max_samples, wait_s):
+        batch = self.batches.pop(0) if self.batches else []
+        return ("L" if batch else None), batch
+
+    def ack(self, lease):
+        pass
+
+    def image_bytes(self, image_hash):
+        self.fetched.append(image_hash)
+        return self.store[image_hash]
+
+    def publish(self, path, version):
+        self.published.append(path)
+        self._version = version
+
+
+def test_train_loop_fetches_each_image_once_and_publishes_a_vision_folder(vl_dir, images, tmp_path):
+    from safetensors import safe_open
+
+    from trainer_bridge.train import train
+
+    items = list(images.items())
+    samples = [vl_sample("i:0", [(items[0][0], items[0][1][1]), (items[1][0], items[1][1][1])], seed=20, reward=1.0),
+               vl_sample("i2:0", [(items[1][0], items[1][1][1])], seed=21, reward=0.0)]
+    proxy = ImageProxy([samples], {h: d for h, (d, _) in images.items()})
+    cfg = TrainConfig(proxies=["http://unused"], model=str(vl_dir), out=str(tmp_path / "run"), progress=False,
+                      checkpoint_every=None, lr=1e-3, micro_batch_tokens=4096)
+    (record,) = train(cfg, client=proxy)
+    assert record["n_images"] == 3 and record["n_images_fetched"] == 2 and sorted(proxy.fetched) == sorted(
+        [items[0][0], items[1][0]])
+    assert np.isfinite(record["loss"]) and record["loss_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
+    step = tmp_path / "run" / "step_1"
+    assert proxy.published == [str(step)]
+    assert (step / "preprocessor_config.json").read_text() == (vl_dir / "preprocessor_config.json").read_text()
+    new, old = safe_open(str(step / "model.safetensors"), "pt"), safe_open(str(vl_dir / "model.safetensors"), "pt")
+    assert set(new.keys()) == set(old.keys())  # the checkpoint's own names: engines load it as before
+    moved = [k for k in new.keys() if not torch.equal(new.get_tensor(k), old.get_tensor(k))]
+    assert any(k.startswith("visual.blocks.") for k in moved) and any(k.startswith("model.layers.") for k in moved)
