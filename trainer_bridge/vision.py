@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 VISION_MODEL_TYPES = ("qwen2_5_vl",)
@@ -157,7 +158,7 @@ def check_spans(sample: dict[str, Any], settings: VisionSettings) -> list[ImageR
     Raises :class:`ImageInputError` naming the sample and image otherwise.
     """
     refs = image_refs(sample)
-    ids = sample["input_ids"]
+    ids = np.asarray(sample["input_ids"])
     sid = sample.get("sample_id")
     end = 0
     for ref in refs:
@@ -169,8 +170,7 @@ def check_spans(sample: dict[str, Any], settings: VisionSettings) -> list[ImageR
         if ref.offset < end or ref.offset < 0 or ref.offset + ref.length > len(ids):
             raise ImageInputError(f"sample {sid!r}: image {ref.hash} span [{ref.offset}, {ref.offset + ref.length}) "
                                   f"overlaps another image or leaves the {len(ids)}-token sequence")
-        span = ids[ref.offset : ref.offset + ref.length]
-        if any(int(t) != settings.image_token_id for t in span):
+        if (ids[ref.offset : ref.offset + ref.length] != settings.image_token_id).any():
             raise ImageInputError(f"sample {sid!r}: image {ref.hash} span [{ref.offset}, {ref.offset + ref.length}) "
                                   f"holds tokens other than <|image_pad|> ({settings.image_token_id})")
         end = ref.offset + ref.length
@@ -182,11 +182,10 @@ def untrainable_reason(sample: dict[str, Any], settings: VisionSettings | None) 
     the recorded image spans (a sampled pad kept as context); None otherwise."""
     if settings is None:
         return None
-    banned = set(settings.banned_ids)
-    ids, mask = sample["input_ids"], sample["loss_mask"]
-    if any(m and int(t) in banned for t, m in zip(ids, mask)):
+    ids, mask = np.asarray(sample["input_ids"]), np.asarray(sample["loss_mask"]).astype(bool)
+    if np.isin(ids[mask], settings.banned_ids).any():
         return "banned_token"
-    n_pads = sum(1 for t in ids if int(t) in (settings.image_token_id, settings.video_token_id))
+    n_pads = int(np.isin(ids, (settings.image_token_id, settings.video_token_id)).sum())
     if n_pads != sum(r.length for r in image_refs(sample)):
         return "banned_token"
     return None
