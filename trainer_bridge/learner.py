@@ -32,7 +32,7 @@ from .plan import RankShare, plan_step
 from .policy import Policy, load_causal_lm, pick_attn_implementation
 from .sharding import shard_policy
 from .stats import StatsAccumulator
-from .vision import PixelCache, VisionSettings, batch_pixels
+from .vision import PixelCache, VisionSettings, batch_pixels, packed_rope_positions
 
 
 @dataclass
@@ -94,14 +94,19 @@ def policy_inputs(mb: MicroBatch) -> dict[str, torch.Tensor | None]:
               "loss_mask": mb.loss_mask}
     if mb.pixel_values is not None:
         inputs.update(pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw)
+    if mb.rope_position_ids is not None:
+        inputs["rope_position_ids"] = mb.rope_position_ids
     return inputs
 
 
 def pack_share(learner: Learner, samples: Sequence[dict[str, Any]], advantages: Sequence[float]) -> MicroBatch:
-    """One micro-batch of ``samples`` as this learner runs it: packed, with its images' pixels."""
+    """One micro-batch of ``samples`` as this learner runs it: packed, with its images' pixels and
+    M-RoPE positions (computed once here, on the CPU, for the proximal and the training pass)."""
     mb = pack(samples, range(len(samples)), advantages, rows=learner.pack_rows, attn_weight=learner.attn_weight)
-    if learner.pixels is not None:  # images in token order: the layout's sample order
+    if learner.vision is not None and learner.pixels is not None:  # images in token order: the layout's sample order
         mb.pixel_values, mb.image_grid_thw = batch_pixels([samples[i] for i in mb.sample_indices], learner.pixels)
+        mb.rope_position_ids = packed_rope_positions(learner.policy.body.get_rope_index, mb.input_ids, mb.position_ids,
+                                                     mb.image_grid_thw, learner.vision.image_token_id)
     return mb
 
 

@@ -86,6 +86,7 @@ class Policy(nn.Module):
         loss_mask: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        rope_position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs, entropy)`` in token coordinates, float32, shaped like ``input_ids``.
 
@@ -96,7 +97,8 @@ class Policy(nn.Module):
         backward (a rank with nothing to learn still joins FSDP's gradient reduce).
         A vision policy takes the micro-batch's images (token order) as ``pixel_values`` and
         ``image_grid_thw``; without images its vision tower still runs on a dummy input, times 0,
-        for the same reason.
+        for the same reason. ``rope_position_ids`` (``[4, rows, T]``, ``vision.packed_rope_positions``)
+        saves recomputing the M-RoPE positions in every pass.
         """
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
@@ -114,7 +116,8 @@ class Policy(nn.Module):
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
                 ).last_hidden_state
             else:
-                hidden = self._vision_body(input_ids, attention_mask, position_ids, pixel_values, image_grid_thw)
+                hidden = self._vision_body(input_ids, attention_mask, position_ids, pixel_values, image_grid_thw,
+                                           rope_position_ids)
                 banned = torch.tensor(self.vision.banned_ids, dtype=torch.long, device=input_ids.device)
         starts = position_ids == 0
         mask = None
@@ -139,13 +142,15 @@ class Policy(nn.Module):
             starts = starts | (~loss_mask.bool() & torch.isinf(lp))
         return torch.where(starts, zero, lp), torch.where(starts, zero, ent)
 
-    def _vision_body(self, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw) -> torch.Tensor:
+    def _vision_body(self, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw,
+                     positions=None) -> torch.Tensor:
         """Final hidden states of a Qwen2.5-VL body: images on their pad tokens, M-RoPE per sample."""
         if attention_mask is not None:
             raise NotImplementedError("a vision policy runs packed micro-batches (attention_mask None)")
         body = self.body
-        positions = packed_rope_positions(body.get_rope_index, input_ids, position_ids, image_grid_thw,
-                                          self.vision.image_token_id)
+        if positions is None:
+            positions = packed_rope_positions(body.get_rope_index, input_ids, position_ids, image_grid_thw,
+                                              self.vision.image_token_id)
         dummy = None
         if pixel_values is None:
             pixel_values, image_grid_thw = (t.to(input_ids.device) for t in dummy_pixels(self.vision))

@@ -216,6 +216,12 @@ def test_two_image_sample_matches_the_model_on_the_processor_pixels(vl_dir, proc
     loss = mb.loss_mask[0].bool()
     torch.testing.assert_close(lp[0][loss].double(), ref[loss], atol=5e-5, rtol=0)
     assert torch.isfinite(lp).all()
+    # positions computed once at packing time or by the policy itself: the same
+    inputs = policy_inputs(mb)
+    assert inputs.pop("rope_position_ids").shape == (4, *mb.input_ids.shape)
+    with torch.no_grad():
+        again, _ = learner.module(**inputs)
+    assert torch.equal(again, lp)
 
 
 def test_positions_are_m_rope_not_1d(vl_dir, processor, images, client, tmp_path):
