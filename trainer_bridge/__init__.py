@@ -11,7 +11,9 @@ Modules, one job each:
 - ``logprobs``     -- chunked log-probs/entropy from hidden states, in token coordinates
 - ``loss``         -- decoupled PPO loss with the segment-wise behaviour weight and its options
 - ``policy``       -- a transformers causal LM whose forward returns log-probs; save as an HF directory
-- ``sharding``     -- FSDP2 over decoder layers and the root; per-rank state bytes
+- ``sharding``     -- FSDP2 over decoder layers (and vision blocks) and the root; per-rank state bytes
+- ``vision``       -- a Qwen2.5-VL policy's image inputs: span and grid checks, pixels per hash, M-RoPE positions
+- ``image_fetch``  -- rank 0 fetches each image of a batch once (``GET /v1/images/{hash}``) and attaches it
 - ``learner``      -- the sharded model + AdamW, and one training step on it
 - ``checkpoint``   -- sharded training checkpoints (torch.distributed.checkpoint) and resume
 - ``stats``        -- merging per-micro-batch stats into per-step stats

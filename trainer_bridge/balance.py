@@ -26,8 +26,11 @@ def attention_weight(config: object) -> float:
     """Cost of one attended token pair relative to one token through the linear layers.
 
     Per token the linear layers cost ~``2 * n_params`` FLOPs; each (query, key) pair costs
-    ~``4 * layers * heads * head_dim`` (scores plus the weighted sum). From a transformers config.
+    ~``4 * layers * heads * head_dim`` (scores plus the weighted sum). From a transformers config
+    (a vision-language model's text config: the decoder is what runs over every token).
     """
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     hidden = int(getattr(config, "hidden_size", 0) or 0)
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     heads = int(getattr(config, "num_attention_heads", 0) or 0)

@@ -54,6 +54,9 @@ class MicroBatch:
     sample_indices: list[int]
     proximal_logprobs: torch.Tensor | None = field(default=None)  # filled in by the trainer
     seq_ids: torch.Tensor | None = field(default=None)  # which sample each token is; -1 on padding
+    pixel_values: torch.Tensor | None = field(default=None)  # a vision policy's images, in token order
+    image_grid_thw: torch.Tensor | None = field(default=None)  # [images, 3]
+    rope_position_ids: torch.Tensor | None = field(default=None)  # [4, rows, T]: text positions + M-RoPE
 
     def __post_init__(self) -> None:
         if self.seq_ids is None:  # padded rows: row b is sample b

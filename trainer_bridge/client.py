@@ -323,6 +323,23 @@ class ProxyClient:
         for index, lease in self._leases.pop(lease_id, [(0, lease_id)]):
             self._request(index, "POST", "/v1/trajectories/ack", {"lease_id": lease})
 
+    # -- images -----------------------------------------------------------------------------------
+
+    def image_bytes(self, image_hash: str) -> bytes:
+        """The stored bytes of one image (``GET /v1/images/{hash}``, admin token), from the first
+        proxy that has it: a fleet's proxies each store the images of the sessions they served."""
+        quoted = urllib.parse.quote(str(image_hash), safe="")
+        missing: ProxyError | None = None
+        for index in range(len(self.urls)):
+            try:
+                return self._request(index, "GET", f"/v1/images/{quoted}", raw=True).content
+            except ProxyError as e:
+                if e.status != 404:
+                    raise
+                missing = e
+        assert missing is not None
+        raise missing
+
     # -- weights and versions -------------------------------------------------------------------
 
     def pause(self) -> None:

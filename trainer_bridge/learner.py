@@ -32,6 +32,7 @@ from .plan import RankShare, plan_step
 from .policy import Policy, load_causal_lm, pick_attn_implementation
 from .sharding import shard_policy
 from .stats import StatsAccumulator
+from .vision import PixelCache, VisionSettings, batch_pixels, packed_rope_positions
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Learner:
     dist: Dist
     attn_weight: float = 0.0
     pack_rows: str = "one"  # micro-batch layout (batching.pack_rows): one row for flash-attention varlen, else auto
+    vision: VisionSettings | None = None  # a Qwen2.5-VL policy: its image-processor settings and banned ids
+    pixels: PixelCache | None = None  # processed pixels per image hash (this rank's)
 
 
 def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
@@ -61,13 +64,14 @@ def build_learner(config: TrainConfig, dist: Dist) -> Learner:
     """Load the model (float32 masters), shard it (FSDP2), and make AdamW over the local shards."""
     config.check_dtypes()
     distributed.ensure_group(dist)
+    vision = VisionSettings.from_model_dir(config.model)
     model = load_causal_lm(
         config.model,
         dtype=config.model_dtype,
         gradient_checkpointing=activation_checkpointing(config, dist.device),
         attn_implementation=pick_attn_implementation(config.attn_implementation, dist.device),
     )
-    policy = Policy(model, temperature=config.temperature, chunk_size=config.logprob_chunk_size)
+    policy = Policy(model, temperature=config.temperature, chunk_size=config.logprob_chunk_size, vision=vision)
     if dist.device.type != "cpu":
         policy.to(dist.device)
     shard_policy(policy, dist, param_dtype=compute_dtype(config, dist.device))
@@ -80,12 +84,30 @@ def build_learner(config: TrainConfig, dist: Dist) -> Learner:
     )
     varlen = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
     return Learner(policy=policy, module=policy, optimizer=optimizer, dist=dist,
-                   attn_weight=attention_weight(getattr(model, "config", None)), pack_rows="one" if varlen else "auto")
+                   attn_weight=attention_weight(getattr(model, "config", None)), pack_rows="one" if varlen else "auto",
+                   vision=vision, pixels=PixelCache(vision) if vision is not None else None)
 
 
-def _inputs(mb: MicroBatch) -> tuple[torch.Tensor | None, ...]:
+def policy_inputs(mb: MicroBatch) -> dict[str, torch.Tensor | None]:
     """Policy inputs; log-probs are only computed for loss tokens (the rest are never used)."""
-    return mb.input_ids, mb.attention_mask, mb.position_ids, mb.loss_mask
+    inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids,
+              "loss_mask": mb.loss_mask}
+    if mb.pixel_values is not None:
+        inputs.update(pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw)
+    if mb.rope_position_ids is not None:
+        inputs["rope_position_ids"] = mb.rope_position_ids
+    return inputs
+
+
+def pack_share(learner: Learner, samples: Sequence[dict[str, Any]], advantages: Sequence[float]) -> MicroBatch:
+    """One micro-batch of ``samples`` as this learner runs it: packed, with its images' pixels and
+    M-RoPE positions (computed once here, on the CPU, for the proximal and the training pass)."""
+    mb = pack(samples, range(len(samples)), advantages, rows=learner.pack_rows, attn_weight=learner.attn_weight)
+    if learner.vision is not None and learner.pixels is not None:  # images in token order: the layout's sample order
+        mb.pixel_values, mb.image_grid_thw = batch_pixels([samples[i] for i in mb.sample_indices], learner.pixels)
+        mb.rope_position_ids = packed_rope_positions(learner.policy.body.get_rope_index, mb.input_ids, mb.position_ids,
+                                                     mb.image_grid_thw, learner.vision.image_token_id)
+    return mb
 
 
 @dataclass
@@ -108,7 +130,7 @@ def receive_share(
     share: RankShare = distributed.scatter(dist, plan() if dist.is_main else None)
     plans = []
     for groups, n_micro, normalizer in zip(share.minibatches, share.n_micro, share.normalizers):
-        micro = [pack(s, range(len(s)), a, rows=learner.pack_rows, attn_weight=learner.attn_weight) for s, a in groups]
+        micro = [pack_share(learner, s, a) for s, a in groups]
         micro += [empty_micro_batch() for _ in range(n_micro - len(micro))]
         plans.append(MinibatchPlan([m.to(dist.device) for m in micro], normalizer))
     return plans, share.stats
@@ -138,7 +160,7 @@ def proximal_pass(policy: nn.Module, plans: list[MinibatchPlan], version: int | 
     """Fill ``proximal_logprobs`` with the start-of-step weights, on the micro-batches training uses."""
     for plan in plans:
         for m in plan.micro:
-            m.proximal_logprobs, _ = policy(*_inputs(m))
+            m.proximal_logprobs, _ = policy(**policy_inputs(m))
             _gap_stats(m, m.proximal_logprobs, version, gap, gap_prox)
 
 
@@ -164,7 +186,7 @@ def train_minibatch(learner: Learner, plan: MinibatchPlan, config: TrainConfig, 
     learner.optimizer.zero_grad(set_to_none=True)
     acc = StatsAccumulator()
     for m in plan.micro:
-        logprobs, entropy = learner.module(*_inputs(m))
+        logprobs, entropy = learner.module(**policy_inputs(m))
         if gaps is not None:
             _gap_stats(m, logprobs.detach(), version, *gaps)
         loss, stats = decoupled_ppo_loss(

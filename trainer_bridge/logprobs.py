@@ -22,11 +22,13 @@ import torch.nn.functional as F
 _LOW = (torch.bfloat16, torch.float16)
 
 
-def _logits(hidden, weight, bias, inv_temp):
+def _logits(hidden, weight, bias, inv_temp, banned=None):
     """One chunk's logits in float32 (float64 if the inputs are), scaled by 1/temperature.
 
     bf16 hidden states and head (FSDP mixed precision on GPU): a bf16 GEMM with float32 output,
     never a float32 copy of the ``[vocab, hidden]`` weight; the log-sum-exp runs in float32.
+    ``banned``: token ids whose logits are -inf (never sampled by the engines, so left out of
+    the softmax exactly as the engines' logit bias leaves them out).
     """
     if hidden.dtype in _LOW and weight.dtype == hidden.dtype:
         logits = _low_precision_linear(hidden, weight)
@@ -35,7 +37,11 @@ def _logits(hidden, weight, bias, inv_temp):
     else:
         dt = torch.promote_types(hidden.dtype, torch.float32)
         logits = F.linear(hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
-    return logits.mul_(inv_temp) if inv_temp != 1.0 else logits
+    if inv_temp != 1.0:
+        logits.mul_(inv_temp)
+    if banned is not None:
+        logits.index_fill_(-1, banned, float("-inf"))
+    return logits
 
 
 def _low_precision_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -50,15 +56,19 @@ class _ChunkLogprobs(torch.autograd.Function):
     """``(log p(target), entropy)`` for one chunk of positions; entropy is not differentiated."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_temp):
-        logits = _logits(hidden, weight, bias, inv_temp)
+    def forward(ctx, hidden, weight, bias, targets, inv_temp, banned=None):
+        logits = _logits(hidden, weight, bias, inv_temp, banned)
         lse = torch.logsumexp(logits, dim=-1)
         logp = logits.sub_(lse.unsqueeze(-1))  # in place: logits become log-probs
         picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         # sum(p * logp), not lse - sum(p * logits): no cancellation between two large numbers
-        entropy = -logp.exp().mul_(logp).sum(-1)
+        if banned is None:
+            entropy = -logp.exp().mul_(logp).sum(-1)
+        else:  # p = 0 where logp = -inf: their term is 0, not 0 * -inf
+            entropy = -logp.exp().mul_(logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.inv_temp = inv_temp
+        ctx.banned = banned
         ctx.mark_non_differentiable(entropy)
         return picked, entropy
 
@@ -67,7 +77,7 @@ class _ChunkLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         g = grad_picked.to(lse.dtype).unsqueeze(-1)
         # d logp[t] / d logits = onehot(t) - softmax; built in the recomputed logits' buffer
-        grad = _logits(hidden, weight, bias, ctx.inv_temp).sub_(lse.unsqueeze(-1)).exp_().mul_(-g)
+        grad = _logits(hidden, weight, bias, ctx.inv_temp, ctx.banned).sub_(lse.unsqueeze(-1)).exp_().mul_(-g)
         grad.scatter_add_(-1, targets.unsqueeze(-1), g)
         if ctx.inv_temp != 1.0:
             grad.mul_(ctx.inv_temp)
@@ -77,7 +87,7 @@ class _ChunkLogprobs(torch.autograd.Function):
         grad_hidden = (g_low @ weight.to(dt)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
         grad_weight = (g_low.T @ hidden.to(dt)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def _shifted(hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +115,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     mask: torch.Tensor | None = None,
+    banned_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked ``(logprobs, entropy)`` in token coordinates, float32, shaped like ``input_ids``.
 
@@ -115,6 +126,8 @@ def token_logprobs_and_entropy(
     them, and gives the same values on the tokens that are computed.
     Gradients flow into ``hidden``, ``weight`` and ``bias`` through the log-probs; entropy is
     a detached statistic. (Float64 inputs are computed in float64, for gradcheck.)
+    ``banned_ids``: token ids left out of the softmax (logits -inf), as the engines ban them at
+    sampling; a banned target gets -inf.
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0")
@@ -134,7 +147,7 @@ def token_logprobs_and_entropy(
     lps, ents = [], []
     for start in range(0, h.shape[0], chunk_size):
         chunk = slice(start, start + chunk_size)
-        lp, ent = _ChunkLogprobs.apply(h[chunk], weight, bias, targets[chunk], 1.0 / temperature)
+        lp, ent = _ChunkLogprobs.apply(h[chunk], weight, bias, targets[chunk], 1.0 / temperature, banned_ids)
         lps.append(lp)
         ents.append(ent)
     lp = torch.cat(lps) if lps else h.new_zeros(0, dtype=out_dtype)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .logprobs import token_logprobs_and_entropy
+from .vision import VISION_MODEL_TYPES, VisionSettings, dummy_pixels, packed_rope_positions
 
 # Tokenizer files the engines need next to the weights.
 TOKENIZER_FILES = (
@@ -35,15 +36,25 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "chat_template.json",
+    # a vision model's processor settings: the engines expand images with them
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 
 
 class Policy(nn.Module):
-    def __init__(self, model: nn.Module, *, temperature: float = 1.0, chunk_size: int = 1024):
+    """``vision``: the settings of a Qwen2.5-VL model (``VisionSettings.from_model_dir``); then the
+    forward takes ``pixel_values``/``image_grid_thw``, computes M-RoPE positions per packed sample
+    and leaves the vision control ids out of the log-softmax (they are banned at sampling)."""
+
+    def __init__(self, model: nn.Module, *, temperature: float = 1.0, chunk_size: int = 1024,
+                 vision: VisionSettings | None = None):
         super().__init__()
         self.model = model
         self.temperature = temperature
         self.chunk_size = chunk_size
+        self.vision = vision
         cfg = getattr(model, "config", None)
         for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
             value = getattr(cfg, attr, None)
@@ -73,6 +84,9 @@ class Policy(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        rope_position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs, entropy)`` in token coordinates, float32, shaped like ``input_ids``.
 
@@ -81,6 +95,10 @@ class Policy(nn.Module):
         With ``loss_mask`` only those tokens go through the LM head (the rest are 0); if it
         selects nothing, one token still goes through, so that every parameter takes part in
         backward (a rank with nothing to learn still joins FSDP's gradient reduce).
+        A vision policy takes the micro-batch's images (token order) as ``pixel_values`` and
+        ``image_grid_thw``; without images its vision tower still runs on a dummy input, times 0,
+        for the same reason. ``rope_position_ids`` (``[4, rows, T]``, ``vision.packed_rope_positions``)
+        saves recomputing the M-RoPE positions in every pass.
         """
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
@@ -91,10 +109,16 @@ class Policy(nn.Module):
             if input_ids.device.type == "cuda" and head.weight.dtype == torch.float32
             else contextlib.nullcontext()
         )
+        banned = None
         with autocast:
-            hidden = self.body(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-            ).last_hidden_state
+            if self.vision is None:
+                hidden = self.body(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                ).last_hidden_state
+            else:
+                hidden = self._vision_body(input_ids, attention_mask, position_ids, pixel_values, image_grid_thw,
+                                           rope_position_ids)
+                banned = torch.tensor(self.vision.banned_ids, dtype=torch.long, device=input_ids.device)
         starts = position_ids == 0
         mask = None
         if loss_mask is not None:
@@ -111,9 +135,32 @@ class Policy(nn.Module):
                 temperature=self.temperature,
                 chunk_size=self.chunk_size,
                 mask=mask,
+                banned_ids=banned,
             )
         zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+        if banned is not None and loss_mask is not None:  # a banned id outside the loss: -inf, never used
+            starts = starts | (~loss_mask.bool() & torch.isinf(lp))
         return torch.where(starts, zero, lp), torch.where(starts, zero, ent)
+
+    def _vision_body(self, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw,
+                     positions=None) -> torch.Tensor:
+        """Final hidden states of a Qwen2.5-VL body: images on their pad tokens, M-RoPE per sample."""
+        if attention_mask is not None:
+            raise NotImplementedError("a vision policy runs packed micro-batches (attention_mask None)")
+        body = self.body
+        if positions is None:
+            positions = packed_rope_positions(body.get_rope_index, input_ids, position_ids, image_grid_thw,
+                                              self.vision.image_token_id)
+        dummy = None
+        if pixel_values is None:
+            pixel_values, image_grid_thw = (t.to(input_ids.device) for t in dummy_pixels(self.vision))
+            dummy = body.get_image_features(pixel_values, image_grid_thw, return_dict=True).pooler_output
+            pixel_values = image_grid_thw = None
+        hidden = body(input_ids=input_ids, position_ids=positions, pixel_values=pixel_values,
+                      image_grid_thw=image_grid_thw, use_cache=False).last_hidden_state
+        if dummy is not None:  # in the graph (FSDP runs the vision blocks' collectives), adds 0
+            hidden = hidden + 0.0 * sum(d.sum() for d in dummy).to(hidden.dtype)
+        return hidden
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -145,15 +192,20 @@ def load_causal_lm(
     gradient_checkpointing: bool = False,
     attn_implementation: str | None = None,
 ) -> nn.Module:
-    """Load a local HF causal LM directory (no hub access)."""
+    """Load a local HF causal LM directory (no hub access); a Qwen2.5-VL folder (``model_type``
+    ``qwen2_5_vl``) as its ``Qwen2_5_VLForConditionalGeneration``."""
     from transformers import AutoModelForCausalLM
+
+    auto = AutoModelForCausalLM
+    if _model_type(model_dir) in VISION_MODEL_TYPES:
+        from transformers import AutoModelForImageTextToText as auto  # Qwen2_5_VLForConditionalGeneration
 
     torch_dtype = getattr(torch, dtype)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True, **extra)
+        model = auto.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True, **extra)
     except TypeError:  # transformers < 4.56 spells it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch_dtype, local_files_only=True, **extra)
+        model = auto.from_pretrained(model_dir, torch_dtype=torch_dtype, local_files_only=True, **extra)
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
@@ -161,7 +213,17 @@ def load_causal_lm(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    if text_config is not None:
+        text_config.use_cache = False
     return model
+
+
+def _model_type(model_dir: str) -> str | None:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def checkpoint_dtype(model_dir: str | None) -> str | None:

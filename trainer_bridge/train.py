@@ -42,8 +42,10 @@ from .checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from .client import ProxyClient, ProxyError
 from .config import TrainConfig, config_from_argv
 from .distributed import Dist
+from .image_fetch import ImageSource
 from .learner import Learner, build_learner, learner_step  # noqa: F401 - re-exported for callers
 from .policy import checkpoint_dtype, save_hf_dir
+from .vision import ImageInputError, VisionSettings, image_refs, untrainable_reason
 from .weight_transfer import TrainerPublisher, full_tensors, resolve_transfer
 
 # -- which samples are trainable ----------------------------------------------------------------
@@ -53,14 +55,24 @@ def loss_token_versions(sample: dict[str, Any]) -> list[int]:
     return [int(v) for v, m in zip(sample["versions"], sample["loss_mask"]) if m]
 
 
-def drop_reason(sample: dict[str, Any], version: int, max_staleness: int | None) -> str | None:
-    """Why ``sample`` cannot be trained on at ``version`` (None when it can)."""
+def drop_reason(sample: dict[str, Any], version: int, max_staleness: int | None,
+                vision: VisionSettings | None = None) -> str | None:
+    """Why ``sample`` cannot be trained on at ``version`` (None when it can).
+
+    With a vision model, ``banned_token``: a loss token is a vision control id (banned at
+    sampling, so it should never be there) or placeholder tokens lie outside the image spans.
+    """
     try:
         validate_sample(sample)
     except (KeyError, TypeError, ValueError):
         return "invalid"
     if sample.get("trainable") is False:  # sampled with the agent's own settings, not the trainer's
         return "untrainable"
+    if vision is None and image_refs(sample):
+        raise ImageInputError(f"sample {sample.get('sample_id')!r} has images but --model is not a vision "
+                              "model (Qwen2.5-VL with preprocessor_config.json)")
+    if (reason := untrainable_reason(sample, vision)) is not None:
+        return reason
     versions = loss_token_versions(sample)
     if not versions:
         return "empty"
@@ -97,20 +109,20 @@ def mask_missing_proximal(sample: dict[str, Any], version: int) -> dict[str, Any
 
 
 def prepare_batch(
-    samples: Sequence[dict[str, Any]], version: int, config: TrainConfig
+    samples: Sequence[dict[str, Any]], version: int, config: TrainConfig, vision: VisionSettings | None = None
 ) -> tuple[list[dict[str, Any]], list[float], dict[str, float]]:
     """Advantages over everything pulled (whole groups), then keep the trainable samples.
 
     Returns ``(samples, advantages, info)``; ``info`` holds the pull-level step stats. Reward
     stats are over the distinct sessions pulled (population std), like the advantages.
     """
-    valid = [s for s in samples if drop_reason(s, version, None) != "invalid"]
+    valid = [s for s in samples if drop_reason(s, version, None, vision) != "invalid"]
     advantages = group_advantages(valid, normalize_std=config.adv_normalize_std) if valid else []
-    dropped = {"invalid": len(samples) - len(valid), "empty": 0, "stale": 0, "untrainable": 0}
+    dropped = {"invalid": len(samples) - len(valid), "empty": 0, "stale": 0, "untrainable": 0, "banned_token": 0}
     kept, kept_adv = [], []
     n_stale_masked = 0
     for s, a in zip(valid, advantages):
-        reason = drop_reason(s, version, config.max_staleness)
+        reason = drop_reason(s, version, config.max_staleness, vision)
         if reason is None:
             s, n = mask_stale(s, version, config.max_staleness)
             n_stale_masked += n
@@ -137,6 +149,7 @@ def prepare_batch(
         "n_dropped_empty": dropped["empty"],
         "n_dropped_invalid": dropped["invalid"],
         "n_dropped_untrainable": dropped["untrainable"],
+        "n_dropped_banned_token": dropped["banned_token"],
         "n_stale_tokens_masked": n_stale_masked,
         "n_sessions": len(rewards),
         "reward_mean": reward_mean,
@@ -165,8 +178,12 @@ class Batch:
     stop: bool = False  # no trainable samples before pull_timeout_s: end training
 
 
-def collect_batch(client: Any, config: TrainConfig, version: int) -> Batch:
-    """Pull until at least ``min_samples`` trainable samples (or ``pull_timeout_s`` runs out)."""
+def collect_batch(client: Any, config: TrainConfig, version: int, images: ImageSource | None = None) -> Batch:
+    """Pull until at least ``min_samples`` trainable samples (or ``pull_timeout_s`` runs out).
+
+    ``images`` (a vision model): fetch, check and attach the kept samples' images.
+    """
+    vision = images.settings if images is not None else None
     start = time.monotonic()
     deadline = None if config.pull_timeout_s is None else start + config.pull_timeout_s
     pulled: list[dict[str, Any]] = []
@@ -177,7 +194,7 @@ def collect_batch(client: Any, config: TrainConfig, version: int) -> Batch:
         if lease is not None:
             leases.append(lease)
         pulled.extend(samples)
-        n_ok = sum(drop_reason(s, version, config.max_staleness) is None for s in pulled)
+        n_ok = sum(drop_reason(s, version, config.max_staleness, vision) is None for s in pulled)
         if n_ok >= config.min_samples:
             break
         if deadline is not None and time.monotonic() >= deadline:
@@ -188,7 +205,11 @@ def collect_batch(client: Any, config: TrainConfig, version: int) -> Batch:
             break
         if not samples:
             time.sleep(0.2)
-    kept, advantages, info = prepare_batch(pulled, version, config)
+    kept, advantages, info = prepare_batch(pulled, version, config, vision)
+    if images is not None:
+        fetched = images.n_fetched
+        info["n_images"] = images.attach(kept)
+        info["n_images_fetched"] = images.n_fetched - fetched
     info["pull_time_s"] = time.monotonic() - start
     return Batch(samples=kept, advantages=advantages, leases=leases, info=info)
 
@@ -316,13 +337,15 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
         transfer = distributed.on_main(dist, lambda: resolve_transfer(client, config.weight_transfer)) if config.publish else "disk"
         engine_dtype = config.save_dtype or checkpoint_dtype(config.model)  # what the engines run in (bf16 for a bf16 model)
         bar = _progress(config, dist)
+        # rank 0 fetches each image once (GET /v1/images/{hash}) and sends the bytes with the share
+        images = ImageSource(learner.vision, lambda h: client.image_bytes(h)) if learner.vision is not None and dist.is_main else None
         history: list[dict[str, Any]] = []
         for step in range(first_step, config.steps + 1):
             pulled: list[Batch] = []
 
             def pull() -> Batch:
                 """Rank 0 keeps the samples; the other ranks get the batch without them."""
-                batch = collect_batch(client, config, version)
+                batch = collect_batch(client, config, version, images)
                 pulled.append(batch)
                 header = Batch(leases=batch.leases, info=dict(batch.info), stop=batch.stop)
                 if config.log_sessions:
