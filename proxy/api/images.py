@@ -143,7 +143,7 @@ class ImageInput:
 
     def decode_b64(self, text: str) -> ImageInfo:
         assert self.spec is not None
-        return self.cache.decode(b64_bytes(text, self.limits), self.spec, self.limits)
+        return self.cache.decode_text(text, lambda t: b64_bytes(t, self.limits), self.spec, self.limits)
 
     async def prepare(self, body: Any) -> "ImageRequest":
         """A request's view with its images decoded off the event loop and its allowed URLs fetched.
