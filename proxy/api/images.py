@@ -241,7 +241,8 @@ class ImageInput:
 def _image_parts(obj: Any):
     """Every image part (any dialect's shape) in a request body, in document order."""
     if isinstance(obj, dict):
-        if obj.get("type") in IMAGE_PART_TYPES and ("image_url" in obj or "source" in obj or "file_id" in obj):
+        typ = obj.get("type")
+        if isinstance(typ, str) and typ in IMAGE_PART_TYPES and ("image_url" in obj or "source" in obj or "file_id" in obj):
             yield obj
             return
         for v in obj.values():
