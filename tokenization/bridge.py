@@ -22,6 +22,11 @@ bridge with the kwargs; with neither available the bridge refuses
 (``template_kwargs_unsupported``). Text in new messages that spells a control token stays text
 (see ``tokenization.template``): such turns go through the template bridge, whose encoding
 keeps it text; a hand-coded renderer would tokenize it as the control token.
+
+Images: new messages with image parts go through the template bridge (hand-coded renderers
+render text content only); it expands each ``<|image_pad|>`` the template wrote for the new
+messages to that image's placeholder count (``tokenization.vision``). Images of the history
+are already in the previous prompt and are never expanded again.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ Full render (first turn, or a fork), the splice bridge, output parsing and stop 
   the model (cheap, token level), else Splice's generic bridge over the chat template.
 * Parsing and stop ids come from the hand-coded renderer, or `renderers`' ``DefaultRenderer``.
 
+``vision`` (a ``VisionSpec``, for a Qwen2-VL-family model) lets messages carry images: renders
+and bridges expand each image's placeholder (``docs/images.md``); without it images are a
+``VisionNotSupported`` error.
+
 ``template_kwargs`` given at construction apply to every request; a request's own
 ``chat_template_kwargs`` (the ``template_kwargs`` argument of ``render`` and ``bridge``) are
 merged over them.

@@ -297,6 +297,7 @@ class ImageCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._items: OrderedDict[tuple[bytes, VisionSpec], ImageInfo] = OrderedDict()
+        self._aliases: OrderedDict[tuple[bytes, VisionSpec], tuple[bytes, VisionSpec]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.decodes = 0
@@ -307,6 +308,26 @@ class ImageCache:
 
     def decode(self, data: bytes, spec: VisionSpec, limits: ImageLimits = ImageLimits()) -> ImageInfo:
         """``decode_image(data, spec, limits)``, decoding each distinct encoding once."""
+        return self._decode(data, spec, limits)
+
+    def decode_text(self, text: str, to_bytes, spec: VisionSpec, limits: ImageLimits = ImageLimits()) -> ImageInfo:
+        """The same for an image carried as text (base64; ``to_bytes`` decodes it): also keyed by
+        a digest of the text, so an image resent as the same text is not even base64-decoded again
+        (base64 decoding costs several times the digest)."""
+        alias = (hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=20).digest(), spec)
+        with self._lock:
+            key = self._aliases.get(alias)
+            info = self._items.get(key) if key is not None else None
+            if info is not None:
+                self._items.move_to_end(key)
+                self._aliases.move_to_end(alias)
+                self.hits += 1
+        if info is not None:
+            check_limits(info, limits)
+            return info
+        return self._decode(to_bytes(text), spec, limits, alias=alias)
+
+    def _decode(self, data: bytes, spec: VisionSpec, limits: ImageLimits, alias=None) -> ImageInfo:
         if len(data) > limits.max_bytes:
             raise ImageError(f"image is {len(data)} bytes, above the limit of {limits.max_bytes} bytes", "image_too_large")
         key = (hashlib.blake2b(data, digest_size=20).digest(), spec)
@@ -315,6 +336,8 @@ class ImageCache:
             if info is not None:
                 self._items.move_to_end(key)
                 self.hits += 1
+                if alias is not None:
+                    self._remember_alias(alias, key)
         if info is not None:
             check_limits(info, limits)
             return info
@@ -324,10 +347,18 @@ class ImageCache:
             if key not in self._items:
                 self._items[key] = info
                 self._bytes += len(info.data)
+            if alias is not None:
+                self._remember_alias(alias, key)
             while self._items and (len(self._items) > self.max_entries or self._bytes > self.max_bytes):
                 _, old = self._items.popitem(last=False)
                 self._bytes -= len(old.data)
         return info
+
+    def _remember_alias(self, alias, key) -> None:
+        self._aliases[alias] = key
+        self._aliases.move_to_end(alias)
+        while len(self._aliases) > 2 * self.max_entries:  # stale ones (evicted images) go first
+            self._aliases.popitem(last=False)
 
 
 def find_image_spans(ids: list[int], spec: VisionSpec, base: int = 0) -> list[tuple[int, int]]:

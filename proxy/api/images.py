@@ -143,7 +143,7 @@ class ImageInput:
 
     def decode_b64(self, text: str) -> ImageInfo:
         assert self.spec is not None
-        return self.cache.decode(b64_bytes(text, self.limits), self.spec, self.limits)
+        return self.cache.decode_text(text, lambda t: b64_bytes(t, self.limits), self.spec, self.limits)
 
     async def prepare(self, body: Any) -> "ImageRequest":
         """A request's view with its images decoded off the event loop and its allowed URLs fetched.
@@ -241,7 +241,8 @@ class ImageInput:
 def _image_parts(obj: Any):
     """Every image part (any dialect's shape) in a request body, in document order."""
     if isinstance(obj, dict):
-        if obj.get("type") in IMAGE_PART_TYPES and ("image_url" in obj or "source" in obj or "file_id" in obj):
+        typ = obj.get("type")
+        if isinstance(typ, str) and typ in IMAGE_PART_TYPES and ("image_url" in obj or "source" in obj or "file_id" in obj):
             yield obj
             return
         for v in obj.values():

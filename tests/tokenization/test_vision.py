@@ -245,3 +245,25 @@ def test_spans_and_expansion(folders):
         expand_image_pads(ids, [a], IMAGE_PAD_ID)
     with pytest.raises(ImageError):
         image_spans(out, [b, a], spec)  # lengths do not match the images in that order
+
+
+def test_cache_by_text_skips_even_the_base64_decode(folders):
+    import base64
+
+    spec = VisionSpec.from_model_dir(folders["default"])
+    cache = ImageCache(max_entries=2)
+    calls = []
+
+    def to_bytes(text: str) -> bytes:
+        calls.append(text)
+        return base64.b64decode(text)
+
+    a, b, c = (base64.b64encode(png(30, 30, seed=s)).decode() for s in (1, 2, 3))
+    first = cache.decode_text(a, to_bytes, spec)
+    assert cache.decode_text(a, to_bytes, spec) is first and len(calls) == 1 and cache.decodes == 1
+    # the same image as raw bytes is the same cache entry
+    assert cache.decode(base64.b64decode(a), spec) is first and cache.decodes == 1
+    cache.decode_text(b, to_bytes, spec)
+    cache.decode_text(c, to_bytes, spec)  # evicts a
+    assert cache.decode_text(a, to_bytes, spec).hash == first.hash
+    assert cache.decodes == 4 and len(calls) == 4  # evicted: decoded again, not served stale

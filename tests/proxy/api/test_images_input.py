@@ -354,3 +354,20 @@ def test_image_request_without_prepare_decodes_inline(images):
     req = ImageRequest(images)
     msgs, _ = chat_messages([{"role": "user", "content": [chat_image(SHOT)]}], req)
     assert req.count == 1 and msgs[0].images[0].data == SHOT
+
+
+def test_http_odd_bodies_are_400_not_500(vlive):
+    odd = [
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": ["image_url"], "image_url": {"url": "x"}}]}]},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 5}}]}]},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": None}]}]},
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+    ]
+    for body in odd:
+        r = httpx.post(vlive.base_url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"]
+    r = httpx.post(vlive.base_url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": "x"}]}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert vlive.runner.requests == []
