@@ -7,7 +7,8 @@
   endpoints; ``pool.max_new_tokens`` keeps every turn's recompute prefill inside the context).
 - ``engines.sglang`` / ``engines.vllm`` speak each engine's wire format exactly (docs/design.md section
   9); ``engines.resume`` stitches abort-resume segments; ``engines.routing`` is the hash ring;
-  ``engines.http`` maps transport failures to the typed errors of ``engines.types``.
+  ``engines.http`` maps transport failures to the typed errors of ``engines.types``;
+  ``engines.images`` puts a prompt's images (``engines.types.EngineImage``) on the wire.
 
 Conventions: every per-token list is in output-token coordinates; engine input logprobs are
 indexed by absolute position; ``-inf`` logprobs are ``-9999.0`` whatever the engine; a chunk

@@ -25,22 +25,29 @@ from engines.types import EngineImage
 # exp(-100) ~ 4e-44 is zero in every float the sampler uses.
 BAN_LOGIT_BIAS = -100.0
 
-_URL_CACHE_MAX = 256
+# Built data URLs by (hash, mime), bounded by their total size: a session re-sends every
+# history image on every call, and screenshots are large.
+_URL_CACHE_BYTES = 64 << 20
 _url_cache: "OrderedDict[tuple[str, str], str]" = OrderedDict()
+_url_cache_size = 0
 
 
 def data_url(image: EngineImage) -> str:
-    """``data:<mime>;base64,<bytes>`` for ``image``, encoded once per content hash (a session
-    re-sends its history images on every call)."""
+    """``data:<mime>;base64,<bytes>`` for ``image``, encoded once per content hash while it
+    stays in a 64 MiB cache."""
+    global _url_cache_size
     key = (image.hash, image.mime)
     url = _url_cache.get(key)
     if url is not None:
         _url_cache.move_to_end(key)
         return url
     url = f"data:{image.mime};base64,{base64.b64encode(image.data).decode('ascii')}"
-    _url_cache[key] = url
-    if len(_url_cache) > _URL_CACHE_MAX:
-        _url_cache.popitem(last=False)
+    if len(url) <= _URL_CACHE_BYTES:
+        _url_cache[key] = url
+        _url_cache_size += len(url)
+        while _url_cache_size > _URL_CACHE_BYTES:
+            _, old = _url_cache.popitem(last=False)
+            _url_cache_size -= len(old)
     return url
 
 

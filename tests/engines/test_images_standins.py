@@ -295,3 +295,62 @@ def test_request_body_images_are_data_urls_of_the_original_bytes():
 
     assert head == "data:image/png;base64" and base64.b64decode(b64) == RED
     assert json.dumps(body["input_ids"]).count(str(PAD)) == 1
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_streamed_generation_with_images_survives_an_abort_and_delivers_each_token_once(kind):
+    ids, images = prompt(HEAD, BLUE, [9, 9], RED, TAIL)
+    p0 = len(ids)
+    seen: list[int] = []
+
+    async def on_tokens(new, lps):
+        seen.extend(new)
+
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeSGLang(router, A, version="0") if kind == "sglang" else FakeVLLM(router, A, version=0)
+            pool = make_pool(kind, **({"model": "tiny"} if kind == "vllm" else {}))
+            fake.on_abort = pool.pause
+            fake.script = [Step([(1, -0.1), (2, -0.2)], finish="abort"), Step([(3, -0.3), (4, -0.4)], finish="stop")]
+            task = asyncio.create_task(
+                pool.generate(ids, SamplingParams(max_new_tokens=9), session_id="st", on_tokens=on_tokens, images=images)
+            )
+            await update_cycle(pool, 1)
+            gen = await task
+            await pool.close()
+            return fake, gen
+
+    fake, gen = run(go())
+    assert seen == [1, 2, 3, 4] == gen.output_ids
+    assert gen.versions == [0, 0, 1, 1] and gen.proximal_versions == [1, 1, 1, 1]
+    assert gen.proximal_logprobs_t[:2] == [default_lp(1, p0, 0), default_lp(1, p0 + 1, 0)]
+    reqs = fake.requests if kind == "sglang" else fake.generate_requests
+    # vLLM's stream has no prompt logprobs: the resume that owes them runs unstreamed
+    assert [r["stream"] for r in reqs] == ([True, True] if kind == "sglang" else [True, False])
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_next_turn_prompt_logprobs_with_images_come_at_expanded_positions(kind):
+    """R2 on an open session's next turn: the turn's own call returns the prompt's input
+    logprobs from the first owed position, which lies after an image of the new user turn."""
+    ids, images = prompt(HEAD, RED, [40, 41, 42, 43], BLUE, [44, 45], TAIL)
+    owed_from = images[0].offset + images[0].length + 2
+
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            if kind == "sglang":
+                fake = FakeSGLang(router, A, version="5")
+                pool = make_pool(version=5)
+            else:
+                fake = FakeVLLM(router, A, version=5)
+                fake.weight_version = "5"
+                pool = make_pool("vllm", version=5)
+            fake.script = [Step([(8, -0.8)], finish="stop", matched=8)]
+            gen = await pool.generate(ids, SamplingParams(max_new_tokens=4), session_id="n", images=images,
+                                      prompt_logprobs_from=owed_from)
+            await pool.close()
+            return gen
+
+    gen = run(go())
+    assert gen.prompt_logprobs_start == owed_from and gen.prompt_logprobs_version == 5
+    assert gen.prompt_logprobs == [default_lp(5, p, 0) for p in range(owed_from, len(ids))]

@@ -406,3 +406,38 @@ def test_vllm_stream_with_images_and_an_unstreamed_call_when_prompt_logprobs_are
     assert streamed.output_ids == owed.output_ids == [21, 22, 151645]
     assert streamed.weight_version_spans == ((0, 3, "2"),) and streamed.prompt_tokens == len(ids)
     assert owed.input_logprobs[0] is None and owed.input_logprobs[-1] == -1.0 - (len(ids) - 1)
+
+
+# -- engines.images --------------------------------------------------------------------------------
+
+
+def test_spans_out_of_order_overlapping_or_outside_are_refused():
+    from engines.images import check_spans
+
+    ids, images = prompt(HEAD, RED, [7], BLUE, TAIL)
+    check_spans(ids, images)
+    with pytest.raises(ValueError, match="out of order"):
+        check_spans(ids, [images[1], images[0]])
+    with pytest.raises(ValueError, match="out of order"):
+        check_spans(ids, [images[0], images[0]])
+    with pytest.raises(ValueError, match="outside"):
+        check_spans(ids[: images[1].offset + 2], images)
+
+
+def test_data_urls_are_cached_by_hash_within_a_byte_bound(monkeypatch):
+    import base64
+    import dataclasses
+
+    import engines.images as wire
+
+    _, images = prompt(HEAD, RED, BLUE, TAIL)
+    monkeypatch.setattr(wire, "_url_cache", type(wire._url_cache)())
+    monkeypatch.setattr(wire, "_url_cache_size", 0)
+    red_url = "data:image/png;base64," + base64.b64encode(RED).decode()
+    monkeypatch.setattr(wire, "_URL_CACHE_BYTES", len(red_url) + 10)  # room for one red image
+    assert wire.data_url(images[0]) == red_url
+    # same hash and mime: served from the cache (the bytes are not looked at again)
+    assert wire.data_url(dataclasses.replace(images[0], data=b"")) == red_url
+    wire.data_url(images[1])  # the blue image pushes the red one out
+    assert wire._url_cache_size <= len(red_url) + 10
+    assert wire.data_url(dataclasses.replace(images[0], data=b"")) == "data:image/png;base64,"
