@@ -41,8 +41,9 @@ def place(ids: Sequence[int], messages: Sequence[Message], spec, *, base: int = 
 
 
 def request_images(messages: Sequence[Message]) -> dict[str, ImageInfo]:
-    """The request's decoded images by hash (agents re-send the history's images every call)."""
-    return {info.hash: info for info in message_images(list(messages))}
+    """The request's decoded images by hash (agents re-send the history's images every call).
+    Images of a stored Responses conversation carry no bytes: those come from the store."""
+    return {info.hash: info for info in message_images(list(messages)) if info.data}
 
 
 def as_stored(info: ImageInfo) -> StoredImage:

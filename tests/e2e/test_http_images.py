@@ -231,3 +231,18 @@ def test_trainer_logprobs_of_a_pulled_image_sample_equal_the_engines(proxy, vl_d
     behaviour = torch.as_tensor(np.asarray(sample["logprobs"], dtype=np.float64))
     assert mask.sum() > 10
     torch.testing.assert_close(got[mask].double(), behaviour[mask], atol=2e-4, rtol=0)
+
+
+def test_responses_previous_response_id_carries_history_images(proxy):
+    """The stored conversation keeps image references, not bytes: the engine still gets the
+    history's image, read back from the store by hash."""
+    a, b = _png(50, (90, 60)), _png(51, (60, 90))
+    first = _post(proxy, "/v1/responses", {"model": "m", "max_output_tokens": 16, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Open the page."}, {"type": "input_image", "image_url": _url(a)}]}]}, "vl-resp")  # fmt: skip
+    second = _post(proxy, "/v1/responses", {"model": "m", "max_output_tokens": 16, "previous_response_id": first["id"],
+                                            "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Now this."}, {"type": "input_image", "image_url": _url(b)}]}]}, "vl-resp")  # fmt: skip
+    assert second["status"] == "completed"
+    turns = _session(proxy, "vl-resp")["turns"]
+    assert [t["spliced"] for t in turns] == [False, True] and len(turns[1]["images"]) == 2
+    assert turns[1]["images"][0] == turns[0]["images"][0]
