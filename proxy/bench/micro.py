@@ -442,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     from .pull import add_parser as add_pull_parser
 
     add_pull_parser(sub)
+    from .images import add_parser as add_images_parser
+
+    add_images_parser(sub)
     from .train import add_parser as add_train_parser
 
     add_train_parser(sub)
@@ -469,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
         from .soak import run as _run_soak
 
         res = _run_soak(args)
+    elif args.name == "images":
+        from .images import print_table, run as _run_images
+
+        res = _run_images(args)
+        print_table(res)
     elif args.name == "train":
         from .train import run as _run_train
 

@@ -34,12 +34,12 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> str | 
     return f"did not answer {url} in {timeout:.0f}s"
 
 
-def start_standin(tmp: str, tok, out_ids: list[int], procs: list[subprocess.Popen]) -> str:
-    """Start the stand-in (appended to ``procs``); returns its URL."""
+def start_standin(tmp: str, tok, out_ids: list[int], procs: list[subprocess.Popen], **spec) -> str:
+    """Start the stand-in (appended to ``procs``); returns its URL. ``spec``: extra stand-in keys."""
     spec_path = os.path.join(tmp, "standin.json")
     with open(spec_path, "w") as f:
         json.dump({"out_ids": out_ids, "stop_id": tok.convert_tokens_to_ids("<|im_end|>"), "reasoning": "I should call f.",
-                   "tool_call": {"name": "f", "arguments": '{"x": 1}'}}, f)  # fmt: skip
+                   "tool_call": {"name": "f", "arguments": '{"x": 1}'}, **spec}, f)  # fmt: skip
     port = free_port()
     procs.append(subprocess.Popen([sys.executable, str(HERE / "standin.py"), str(port), spec_path]))
     url = f"http://127.0.0.1:{port}"
@@ -48,13 +48,14 @@ def start_standin(tmp: str, tok, out_ids: list[int], procs: list[subprocess.Pope
     return url
 
 
-def start_splice(tmp: str, engine_url: str, tok_dir: str, procs: list[subprocess.Popen], extra: list[str] = ()) -> int:
+def start_splice(tmp: str, engine_url: str, tok_dir: str, procs: list[subprocess.Popen], extra: list[str] = (),
+                 renderer: str = "qwen3") -> int:
     """``splice serve`` in front of ``engine_url`` (appended to ``procs``, not yet waited for); returns its port."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs.append(subprocess.Popen(
         [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
-         "serve", "--engine", "sglang", "--engine-url", engine_url, "--tokenizer", tok_dir, "--renderer", "qwen3",
+         "serve", "--engine", "sglang", "--engine-url", engine_url, "--tokenizer", tok_dir, "--renderer", renderer,
          "--store", os.path.join(tmp, "splice.sqlite"), "--host", "127.0.0.1", "--port", str(port), *extra], env=env,
     ))  # fmt: skip
     return port

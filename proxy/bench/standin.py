@@ -55,9 +55,12 @@ def make_app(spec: dict):
             if start >= 0:
                 stats["turns_with_input_logprobs"] += 1
                 stats["input_logprob_tokens"] += len(ids) - start
+        # Images (SGLang's form: one pad per image plus ``image_data``) expand to ``image_tokens`` pads
+        # each, as SGLang's processor does; the bench sends same-size screenshots.
+        prompt_tokens = len(ids) + len(req.get("image_data") or []) * (int(spec.get("image_tokens") or 1) - 1)
         meta = {
             "id": req.get("rid", "r"), "finish_reason": {"type": "length" if prefill else "stop", "matched": None if prefill else stop_id},
-            "prompt_tokens": len(ids), "completion_tokens": 0 if prefill else n_out, "cached_tokens": 0,
+            "prompt_tokens": prompt_tokens, "completion_tokens": 0 if prefill else n_out, "cached_tokens": 0,
             "weight_version": state["version"], "input_token_logprobs": inputs, "output_token_logprobs": [] if prefill else triples, "e2e_latency": 0.0,
         }
         prefill_s = len(ids) / prefill_tok_s if prefill and prefill_tok_s > 0 else 0.0
