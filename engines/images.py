@@ -18,7 +18,7 @@ import base64
 from collections import OrderedDict
 from typing import Sequence
 
-from engines.types import EngineImage
+from engines.types import EngineImage, SamplingParams
 
 # Added to a banned id's logit. Both engines take a float bias per id; vLLM clamps biases to
 # [-100, 100] (``SamplingParams.from_optional``), so -100 is the strongest value both honour:
@@ -55,6 +55,22 @@ def ban_bias(banned: Sequence[int]) -> dict[str, float]:
     """``{"<id>": -100.0}`` per banned id (JSON object keys are strings; both engines parse
     them back to ints and check them against the vocabulary)."""
     return {str(int(t)): BAN_LOGIT_BIAS for t in sorted(set(int(t) for t in banned))}
+
+
+def stop_and_ban(params: SamplingParams) -> dict:
+    """The optional sampling fields SGLang and vLLM name alike, present only when set: stop
+    strings, stop ids and the ban (a text-only request without stops is unchanged)."""
+    out: dict = {}
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+    if params.banned_token_ids:
+        # SGLang SamplingParams.logit_bias: Dict[str, float] (sglang/srt/sampling/sampling_params.py);
+        # vLLM SamplingParams.logit_bias; both check the keys against the vocabulary and add the
+        # bias to the logits before sampling.
+        out["logit_bias"] = ban_bias(params.banned_token_ids)
+    return out
 
 
 def check_spans(input_ids: Sequence[int], images: Sequence[EngineImage]) -> None:

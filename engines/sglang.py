@@ -17,7 +17,7 @@ import httpx
 
 from engines.client import TokensCallback, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, deadline, expect_dict
-from engines.images import ban_bias, check_spans, collapse, data_url, in_image
+from engines.images import check_spans, collapse, data_url, in_image, stop_and_ban
 from engines.resume import parse_version
 from engines.weight_transfer import TensorBatch, WeightGroup, sglang_init_body, sglang_update_body
 from engines.types import (
@@ -54,14 +54,7 @@ def sampling_payload(params: SamplingParams) -> dict[str, Any]:
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
-    if params.stop:
-        sp["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        sp["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
-    if params.banned_token_ids:
-        # SamplingParams.logit_bias: Dict[str, float], keys checked against the vocabulary
-        # (sglang/srt/sampling/sampling_params.py), added to the logits before sampling.
-        sp["logit_bias"] = ban_bias(params.banned_token_ids)
+    sp.update(stop_and_ban(params))
     return sp
 
 

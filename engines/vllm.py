@@ -38,7 +38,7 @@ import os
 
 from engines.client import TokensCallback, config_ties_head, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, deadline, expect_dict
-from engines.images import ban_bias, check_spans, collapse, data_url
+from engines.images import check_spans, collapse, data_url, stop_and_ban
 from engines.resume import parse_version
 from engines.weight_transfer import TensorBatch, WeightGroup, vllm_finish_body, vllm_init_body, vllm_update_body
 from engines.sglang import ROUTING_HEADER, routing_value
@@ -94,12 +94,7 @@ def completion_payload(
         body["stream_options"] = {"include_usage": True}
     if echo:
         body["echo"] = True
-    if params.stop:
-        body["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        body["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
-    if params.banned_token_ids:
-        body["logit_bias"] = ban_bias(params.banned_token_ids)
+    body.update(stop_and_ban(params))
     return body
 
 
@@ -133,12 +128,7 @@ def generate_tokens_payload(
     }
     if prompt_logprobs:
         sp["prompt_logprobs"] = 0
-    if params.stop:
-        sp["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        sp["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
-    if params.banned_token_ids:
-        sp["logit_bias"] = ban_bias(params.banned_token_ids)
+    sp.update(stop_and_ban(params))
     body: dict[str, Any] = {}
     if model:
         body["model"] = model

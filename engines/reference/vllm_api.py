@@ -59,6 +59,51 @@ def vllm_logit_bias(v, vocab_size: int) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+def finish_reasons(snap: Snapshot, stop_token_ids) -> tuple[str | None, int | str | None]:
+    """vLLM's ``(finish_reason, stop_reason)`` of a snapshot (None, None while running)."""
+    f = snap.finish
+    if f is None:
+        return None, None
+    if f.type != "stop":
+        return f.type, None
+    if isinstance(f.matched, str) or (f.matched is not None and f.matched in stop_token_ids):
+        return "stop", f.matched
+    return "stop", None  # EOS: vLLM reports no stop_reason
+
+
+def vllm_sampling(g: dict, lm, max_tokens: int) -> tuple[GenParams, int | None, int | None]:
+    """vLLM's sampling fields (``/v1/completions`` body, ``/inference/v1/generate``
+    ``sampling_params``; None values already dropped) -> (params, logprobs, prompt_logprobs)."""
+    if max_tokens < 0:
+        raise BadRequest(f"max_tokens must be at least 0, got {max_tokens}.")
+    logprobs = _int(g["logprobs"], "logprobs") if "logprobs" in g else None
+    prompt_logprobs = _int(g["prompt_logprobs"], "prompt_logprobs") if "prompt_logprobs" in g else None
+    for name, v in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise BadRequest(f"Requested {name} of {v}, which is greater than max allowed: {MAX_LOGPROBS}" if v > 0 else f"{name} must be non-negative")
+    top_k = _int(g.get("top_k", -1), "top_k")
+    params = GenParams(
+        max_new_tokens=max_tokens,
+        temperature=_float(g.get("temperature", 1.0), "temperature"),
+        top_p=_float(g.get("top_p", 1.0), "top_p"),
+        top_k=-1 if top_k in (0, -1) else top_k,
+        min_p=_float(g.get("min_p", 0.0), "min_p"),
+        stop=_stop_strs(g.get("stop")),
+        stop_token_ids=_stop_ids(g.get("stop_token_ids")),
+        ignore_eos=_bool(g.get("ignore_eos", False), "ignore_eos"),
+        seed=_int(g["seed"], "seed") if "seed" in g else None,
+        scale_logprobs=False,
+        top_logprobs=logprobs or 0,
+        logit_bias=vllm_logit_bias(g.get("logit_bias"), lm.vocab_size),
+        bias_logprobs=False,  # vLLM's default logprobs_mode is raw_logprobs
+    )
+    try:
+        check_ranges(params)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return params, logprobs, prompt_logprobs
+
+
 def parse_completion(body: dict, state: EngineState, request: Request) -> tuple[Job, dict]:
     """A /v1/completions body -> (Job, response options). Raises BadRequest."""
     lm = state.lm
@@ -82,34 +127,8 @@ def parse_completion(body: dict, state: EngineState, request: Request) -> tuple[
         raise BadRequest(f"{e} (/v1/completions takes no images here; use /inference/v1/generate with content_parts)") from None
     g = {k: v for k, v in body.items() if v is not None}
     max_tokens = _int(g["max_tokens"], "max_tokens") if "max_tokens" in g else (16 if "max_tokens" not in body else lm.context_len - len(ids))
-    if max_tokens < 0:
-        raise BadRequest(f"max_tokens must be at least 0, got {max_tokens}.")
-    top_k = _int(g.get("top_k", -1), "top_k")
-    logprobs = _int(g["logprobs"], "logprobs") if "logprobs" in g else None
-    prompt_logprobs = _int(g["prompt_logprobs"], "prompt_logprobs") if "prompt_logprobs" in g else None
-    for name, v in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if v is not None and not 0 <= v <= MAX_LOGPROBS:
-            raise BadRequest(f"Requested {name} of {v}, which is greater than max allowed: {MAX_LOGPROBS}" if v > 0 else f"{name} must be non-negative")
+    params, logprobs, prompt_logprobs = vllm_sampling(g, lm, max_tokens)
     echo = _bool(g.get("echo", False), "echo")
-    params = GenParams(
-        max_new_tokens=max_tokens,
-        temperature=_float(g.get("temperature", 1.0), "temperature"),
-        top_p=_float(g.get("top_p", 1.0), "top_p"),
-        top_k=-1 if top_k in (0, -1) else top_k,
-        min_p=_float(g.get("min_p", 0.0), "min_p"),
-        stop=_stop_strs(g.get("stop")),
-        stop_token_ids=_stop_ids(g.get("stop_token_ids")),
-        ignore_eos=_bool(g.get("ignore_eos", False), "ignore_eos"),
-        seed=_int(g["seed"], "seed") if "seed" in g else None,
-        scale_logprobs=False,
-        top_logprobs=logprobs or 0,
-        logit_bias=vllm_logit_bias(g.get("logit_bias"), lm.vocab_size),
-        bias_logprobs=False,  # vLLM's default logprobs_mode is raw_logprobs
-    )
-    try:
-        check_ranges(params)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
     want_prompt = prompt_logprobs is not None or (echo and logprobs is not None)
     rid = g.get("request_id") or request.headers.get("x-request-id") or uuid.uuid4().hex
     job = Job(
@@ -164,14 +183,7 @@ class _Render:
         )
 
     def reasons(self, snap: Snapshot) -> tuple[str | None, int | str | None]:
-        f = snap.finish
-        if f is None:
-            return None, None
-        if f.type != "stop":
-            return f.type, None
-        if isinstance(f.matched, str) or (f.matched is not None and f.matched in self.job.params.stop_token_ids):
-            return "stop", f.matched
-        return "stop", None  # EOS: vLLM reports no stop_reason
+        return finish_reasons(snap, self.job.params.stop_token_ids)
 
     def top_dict(self, tid: int, lp: float, top: TopList, k: int) -> dict:
         items = [(tid, lp)] + [t for t in top[:k]]

@@ -30,11 +30,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from .generator import Job, Snapshot
-from .sampling import GenParams, check_ranges
-from .sglang_api import _bool, _float, _int, _stop_ids, _stop_strs
+from .sglang_api import _bool, _int
 from .state import SSE_DONE, BadRequest, ClientGone, EngineState, json_response, read_json, sse
 from .vision import ImageInputError, check_no_images, expand_single_pads
-from .vllm_api import MAX_LOGPROBS, _clamp, vllm_error, vllm_logit_bias
+from .vllm_api import _clamp, finish_reasons, vllm_error, vllm_sampling
 
 REQUEST_PREFIX = "generate-tokens-"
 # SamplingParams fields the reference engine only accepts at their no-op values.
@@ -97,33 +96,7 @@ def parse_request(body: dict, state: EngineState, request: Request) -> tuple[Job
             raise BadRequest(f"sampling_params.{key}={sp.get(key)!r} is not supported by the reference engine")
     g = {k: v for k, v in sp.items() if v is not None}
     max_tokens = _int(g["max_tokens"], "max_tokens") if "max_tokens" in g else lm.context_len - len(ids)
-    if max_tokens < 0:
-        raise BadRequest(f"max_tokens must be at least 0, got {max_tokens}.")
-    logprobs = _int(g["logprobs"], "logprobs") if "logprobs" in g else None
-    prompt_logprobs = _int(g["prompt_logprobs"], "prompt_logprobs") if "prompt_logprobs" in g else None
-    for name, v in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if v is not None and not 0 <= v <= MAX_LOGPROBS:
-            raise BadRequest(f"Requested {name} of {v}, which is greater than max allowed: {MAX_LOGPROBS}" if v > 0 else f"{name} must be non-negative")
-    top_k = _int(g.get("top_k", 0), "top_k")
-    params = GenParams(
-        max_new_tokens=max_tokens,
-        temperature=_float(g.get("temperature", 1.0), "temperature"),
-        top_p=_float(g.get("top_p", 1.0), "top_p"),
-        top_k=-1 if top_k in (0, -1) else top_k,
-        min_p=_float(g.get("min_p", 0.0), "min_p"),
-        stop=_stop_strs(g.get("stop")),
-        stop_token_ids=_stop_ids(g.get("stop_token_ids")),
-        ignore_eos=_bool(g.get("ignore_eos", False), "ignore_eos"),
-        seed=_int(g["seed"], "seed") if "seed" in g else None,
-        scale_logprobs=False,
-        top_logprobs=logprobs or 0,
-        logit_bias=vllm_logit_bias(g.get("logit_bias"), lm.vocab_size),
-        bias_logprobs=False,  # vLLM's default logprobs_mode is raw_logprobs
-    )
-    try:
-        check_ranges(params)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+    params, logprobs, prompt_logprobs = vllm_sampling(g, lm, max_tokens)
     mode = body.get("output_mode") or "tokens"
     if mode != "tokens":
         raise BadRequest(f"output_mode={mode!r} is not supported by the reference engine (only 'tokens')")
@@ -159,14 +132,7 @@ class _Render:
         self.state, self.job, self.opts = state, job, opts
 
     def reasons(self, snap: Snapshot) -> tuple[str | None, int | str | None]:
-        f = snap.finish
-        if f is None:
-            return None, None
-        if f.type != "stop":
-            return f.type, None
-        if isinstance(f.matched, str) or (f.matched is not None and f.matched in self.job.params.stop_token_ids):
-            return "stop", f.matched
-        return "stop", None  # EOS: vLLM reports no stop_reason
+        return finish_reasons(snap, self.job.params.stop_token_ids)
 
     def logprobs(self, snap: Snapshot, start: int, end: int) -> dict | None:
         k = self.opts["logprobs"]
