@@ -13,31 +13,17 @@ from collections.abc import Callable, Sequence
 from engines.types import EngineImage
 from tokenization import Message
 from tokenization.conversation import message_images
-from tokenization.vision import ImageInfo, find_image_spans
+from tokenization.vision import ImageInfo, image_spans
 
 from ..store import ImageRef, StoredImage
 
 
-class ImagePlacementError(ValueError):
-    """The rendered ids hold a different number of image spans than the messages hold images."""
-
-
 def place(ids: Sequence[int], messages: Sequence[Message], spec, *, base: int = 0) -> tuple[ImageRef, ...]:
-    """ImageRefs for the images of ``messages``, found in order in ``ids`` (absolute offset + ``base``)."""
+    """ImageRefs for the images of ``messages``, found in order in ``ids`` (offsets plus ``base``);
+    ``ImageError`` when the runs and the images do not match one for one."""
     infos = message_images(list(messages))
-    spans = find_image_spans(list(ids), spec) if infos or spec is not None else []
-    if len(spans) != len(infos):
-        raise ImagePlacementError(
-            f"the prompt holds {len(spans)} image placeholder spans for {len(infos)} images"
-        )
-    refs = []
-    for info, (offset, length) in zip(infos, spans):
-        if length != info.n_tokens:
-            raise ImagePlacementError(
-                f"image {info.hash[:12]}: {length} placeholder tokens where its grid {info.grid_thw} needs {info.n_tokens}"
-            )
-        refs.append(ImageRef(info.hash, base + offset, length, tuple(info.grid_thw)))
-    return tuple(refs)
+    spans = image_spans(list(ids), infos, spec, base)
+    return tuple(ImageRef(s.hash, s.offset, s.length, tuple(i.grid_thw)) for s, i in zip(spans, infos))
 
 
 def request_images(messages: Sequence[Message]) -> dict[str, ImageInfo]:

@@ -36,9 +36,10 @@ from typing import Protocol, Sequence
 
 from tokenization import ChatFormat, Message
 from tokenization.conversation import HistoryHash, tools_fingerprint
+from tokenization.vision import ImageError
 
 from ..store.images import ImageRef
-from .images import ImagePlacementError, place
+from .images import place
 from .turn import TurnRequest
 
 
@@ -215,7 +216,7 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
 def _place(ids, messages, spec, *, base: int = 0) -> tuple[ImageRef, ...]:
     try:
         return place(ids, messages, spec, base=base)
-    except ImagePlacementError as exc:
+    except ImageError as exc:
         raise RenderError(str(exc)) from exc
 
 
