@@ -148,6 +148,18 @@ def _parallel(fn: Callable[[int], Any], indices: Sequence[int]) -> list[tuple[in
         return out
 
 
+def _recompute_then_pause(client, every: Sequence[int], urls: Sequence[str], report) -> list:
+    """Owed recomputes on every proxy, then (only then) every proxy pauses its engines without
+    recomputing again: a proxy's pause never waits on another proxy's recompute. Returns the
+    pause results; a proxy without ``/admin/recompute`` (404) pauses as before."""
+    results = _parallel(lambda i: client.admin(i, "/admin/recompute"), every)
+    for i, _, exc in results:
+        if exc is not None and not (isinstance(exc, ProxyError) and exc.status == 404):
+            report.warnings.append(f"{urls[i]}: recompute before pause failed: {_message(exc)}")
+    report.recomputed_tokens = sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
+    return _parallel(lambda i: client.admin(i, "/admin/pause?recompute=false"), every)
+
+
 def _message(exc: BaseException) -> str:
     return exc.message if isinstance(exc, ProxyError) and exc.message else str(exc)
 
@@ -217,12 +229,7 @@ def _publish(client: ProxyClient, model_path: str, version: int, before_resume: 
         if len(urls) == 1:
             results = _parallel(lambda i: client.admin(i, "/admin/pause"), every)
         else:
-            results = _parallel(lambda i: client.admin(i, "/admin/recompute"), every)
-            for i, _, exc in results:
-                if exc is not None and not (isinstance(exc, ProxyError) and exc.status == 404):
-                    report.warnings.append(f"{urls[i]}: recompute before pause failed: {_message(exc)}")
-            report.recomputed_tokens = sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
-            results = _parallel(lambda i: client.admin(i, "/admin/pause?recompute=false"), every)
+            results = _recompute_then_pause(client, every, urls, report)
         report.recomputed_tokens += sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
         fail_first("pause", results)
         lap("pause")
@@ -411,12 +418,7 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
     groups_before = sender.groups_made
     try:
         # 2. owed recomputes on every proxy, then (only then) every proxy pauses
-        results = _parallel(lambda i: client.admin(i, "/admin/recompute"), every)
-        for i, _, exc in results:
-            if exc is not None and not (isinstance(exc, ProxyError) and exc.status == 404):
-                report.warnings.append(f"{urls[i]}: recompute before pause failed: {_message(exc)}")
-        report.recomputed_tokens = sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
-        results = _parallel(lambda i: client.admin(i, "/admin/pause?recompute=false"), every)
+        results = _recompute_then_pause(client, every, urls, report)
         fail_first("pause", results)
         lap("pause")
 
