@@ -289,3 +289,14 @@ def raise_stream_error(frame: dict, replica: str, path: str) -> None:
     if isinstance(code, int) and 400 <= code < 500:
         raise EngineRejected(f"{replica}{path}: {message}", replica=replica)
     raise EngineBadResponse(f"{replica}{path}: error in stream: {message}", replica=replica)
+
+
+def weight_version_spans(raw: Any) -> tuple[tuple[int, int, str], ...]:
+    """``weight_versions`` as both engines report them (SGLang >= 0.5.23 ``meta_info``, vLLM's
+    ``WeightVersionSpan``: version, start, end) as (start, end, version); () when absent or malformed."""
+    if not isinstance(raw, list):
+        return ()
+    try:
+        return tuple((int(s["start"]), int(s["end"]), str(s["version"])) for s in raw)
+    except (KeyError, TypeError, ValueError):
+        return ()

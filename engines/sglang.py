@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import httpx
 
 from engines.client import TokensCallback, model_card, positive_int, prefill_values
-from engines.http import Http, clean_logprob, deadline, expect_dict
+from engines.http import Http, clean_logprob, deadline, expect_dict, weight_version_spans
 from engines.images import check_spans, collapse, data_url, in_image, stop_and_ban
 from engines.resume import parse_version
 from engines.weight_transfer import TensorBatch, WeightGroup, sglang_init_body, sglang_update_body
@@ -146,16 +146,6 @@ def input_logprobs(
     return out
 
 
-def _spans(meta: dict) -> tuple[tuple[int, int, str], ...]:
-    raw = meta.get("weight_versions")
-    if not isinstance(raw, list):
-        return ()
-    try:
-        return tuple((int(s["start"]), int(s["end"]), str(s["version"])) for s in raw)
-    except (KeyError, TypeError, ValueError):
-        return ()
-
-
 def check_expansion(meta: dict, input_ids: list[int], images: Sequence[EngineImage], replica: str) -> None:
     """The engine expanded the collapsed prompt to exactly Splice's expanded length; if not,
     its image processor (min/max pixels, merge size) differs from the one Splice rendered with
@@ -204,7 +194,7 @@ def parse_response(
         prompt_tokens=int(meta.get("prompt_tokens") or 0),
         cached_tokens=int(meta.get("cached_tokens") or 0),
         weight_version=None if wv is None else str(wv),
-        weight_version_spans=_spans(meta),
+        weight_version_spans=weight_version_spans(meta.get("weight_versions")),
     )
 
 

@@ -37,7 +37,7 @@ import logging
 import os
 
 from engines.client import TokensCallback, config_ties_head, model_card, positive_int, prefill_values
-from engines.http import Http, clean_logprob, deadline, expect_dict
+from engines.http import Http, clean_logprob, deadline, expect_dict, weight_version_spans
 from engines.images import check_spans, collapse, data_url, stop_and_ban
 from engines.resume import parse_version
 from engines.weight_transfer import TensorBatch, WeightGroup, vllm_finish_body, vllm_init_body, vllm_update_body
@@ -175,16 +175,6 @@ def check_placeholders(
         )
 
 
-def _spans(raw: Any) -> tuple[tuple[int, int, str], ...]:
-    """``weight_versions`` (vLLM ``WeightVersionSpan``: version, start, end) as (start, end, version)."""
-    if not isinstance(raw, list):
-        return ()
-    try:
-        return tuple((int(s["start"]), int(s["end"]), str(s["version"])) for s in raw)
-    except (KeyError, TypeError, ValueError):
-        return ()
-
-
 def _matched(fr: str, stop_reason: Any, ids: list[int]) -> int | str | None:
     if isinstance(stop_reason, (int, str)) and not isinstance(stop_reason, bool):
         return stop_reason
@@ -250,7 +240,7 @@ def parse_generate(
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         cached_tokens=int(details.get("cached_tokens") or 0),
         weight_version=None,
-        weight_version_spans=_spans(choice.get("weight_versions")),
+        weight_version_spans=weight_version_spans(choice.get("weight_versions")),
     )
 
 
