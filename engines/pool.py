@@ -699,7 +699,7 @@ class EnginePool:
             r.stale = False
             r.out_of_rotation = r.target_version = None  # whole weights again
 
-        if self.kind == "vllm" and self._info.tied_lm_head:
+        if self.kind == "vllm" and self._info.tied_lm_head and not self._info.worker_extension:
             log.warning("vLLM update_weights(%r): %s", model_path, TIED_HEAD_WARNING)
         if selected == []:
             down: list[Replica] = []
@@ -892,5 +892,6 @@ def merge_info(infos: list[EngineInfo | None], urls: list[str]) -> EngineInfo:
         can_pause=all(i.can_pause for _, i in known),
         can_reload=all(i.can_reload for _, i in known),
         tied_lm_head=(True in ties) if ties else None,
+        worker_extension=all(i.worker_extension for _, i in known),
         warnings=tuple(warnings),
     )

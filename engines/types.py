@@ -119,7 +119,9 @@ class EngineInfo:
       ``/update_weights_from_disk``; vLLM ``/collective_rpc`` + ``/update_weight_version`` +
       ``/weight_info``, dev mode only).
     - ``tied_lm_head``: the model ties its LM head to the embeddings (``tie_word_embeddings``),
-      None when unknown. vLLM 0.32's in-place reload does not reload a tied head.
+      None when unknown. vLLM 0.32's in-place reload leaves a tied head stale (CPU build).
+    - ``worker_extension``: vLLM runs Splice's worker extension (``engines/vllm_worker.py``),
+      which re-ties a tied head after every weight load.
     - ``warnings``: what an operator should know (missing dev mode, tied head on vLLM, ...).
     """
 
@@ -130,6 +132,7 @@ class EngineInfo:
     can_pause: bool = False
     can_reload: bool = False
     tied_lm_head: bool | None = None
+    worker_extension: bool = False
     warnings: tuple[str, ...] = ()
 
 

@@ -22,9 +22,11 @@ Prompts with images go to ``POST /inference/v1/generate`` (vLLM 0.32's token-in 
 route, ``entrypoints/scale_out/token_in_token_out/``; mounted by ``vllm serve
 --enable-scale-out``, HTTP 403 otherwise) with each image span collapsed to one pad and the
 images as ``content_parts`` (docs/engines.md, "Images"). Text-only prompts stay on
-``/v1/completions``. vLLM 0.32 does not reload an LM
-head tied to the embeddings (``tie_word_embeddings``); ``info().tied_lm_head`` reports it. A
-reload that fails inside vLLM's worker kills its EngineCore (see docs/engines.md).
+``/v1/completions``. vLLM 0.32's ``reload_weights`` leaves an LM head tied to the embeddings
+(``tie_word_embeddings``) stale on its CPU build; when vLLM runs Splice's worker extension
+(``engines/vllm_worker.py``, seen in ``/server_info``) weights load through it and the head is
+re-tied, otherwise ``info()`` warns. A reload that fails inside vLLM's worker kills its
+EngineCore (see docs/engines.md).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from engines.images import check_spans, collapse, data_url, stop_and_ban
 from engines.resume import parse_version
 from engines.weight_transfer import TensorBatch, WeightGroup, vllm_finish_body, vllm_init_body, vllm_update_body
 from engines.sglang import ROUTING_HEADER, routing_value
+from engines.vllm_worker import QUALNAME as EXTENSION_QUALNAME
+from engines.vllm_worker import REFRESH_METHOD, RELOAD_METHOD
 from engines.types import (
     EngineBadResponse,
     EngineError,
@@ -63,9 +67,11 @@ SCALE_OUT_HINT = "start vLLM with --enable-scale-out (vLLM 0.32) so /inference/v
 DEV_MODE_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 (vLLM >= 0.19) for its pause / weight endpoints"
 TIED_HEAD_WARNING = (
     "the model ties its LM head to the embeddings (tie_word_embeddings) and vLLM's in-place "
-    "reload_weights does not reload a tied head: after a weight update vLLM samples with the new "
-    "body and the OLD head, so its logprobs are not the published policy's. Publish checkpoints "
-    "with an untied lm_head (or restart vLLM on the new weights)"
+    "reload_weights does not refresh a tied head (on the CPU build its packed copy stays old): after "
+    "a weight update vLLM would sample with the new body and the OLD head, so its logprobs are not "
+    f"the published policy's. Start vLLM with --worker-extension-cls {EXTENSION_QUALNAME} (Splice's "
+    "engines/vllm_worker.py importable there, e.g. PYTHONPATH=<splice checkout>), which re-ties "
+    "the head after every update"
 )
 
 
@@ -323,6 +329,8 @@ class VLLMClient:
         self.model = model
         self.timeout_s = timeout_s
         self.admin_timeout_s = admin_timeout_s
+        #: vLLM runs Splice's worker extension (set by ``info()``): weight loads go through it.
+        self.extension = False
 
     async def generate(
         self,
@@ -516,7 +524,8 @@ class VLLMClient:
         mismatch) raises and the version is not touched; a version that does not read back
         raises ``EngineBadResponse``.
         """
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}}
+        method = RELOAD_METHOD if self.extension else "reload_weights"
+        body = {"method": method, "kwargs": {"weights_path": str(model_path)}}
         try:
             reply = await self._dev("POST", "/collective_rpc", body, timeout=self.timeout_s)
         except EngineUnsupported:
@@ -531,7 +540,7 @@ class VLLMClient:
         if isinstance(reply, dict) and isinstance(reply.get("results"), list):
             errors = [r for r in reply["results"] if isinstance(r, dict) and r.get("error")]
             if errors:
-                raise EngineRejected(f"{self.url}: reload_weights({model_path!r}) failed: {errors[0]['error']}", replica=self.url)
+                raise EngineRejected(f"{self.url}: {method}({model_path!r}) failed: {errors[0]['error']}", replica=self.url)
         await self._dev("POST", "/update_weight_version", {"new_version": str(int(version))})
         now = await self.weight_version()
         if parse_version(now) != int(version):
@@ -562,6 +571,8 @@ class VLLMClient:
         await self._dev("POST", "/update_weights", vllm_update_body(batch), timeout=self.timeout_s)
         if batch.final:
             await self._dev("POST", "/finish_weight_update", vllm_finish_body(batch), timeout=self.timeout_s)
+            if self.extension:  # the transfer bypasses reload_weights: rebuild tied layers' derived copies
+                await self._dev("POST", "/collective_rpc", {"method": REFRESH_METHOD}, timeout=self.timeout_s)
 
     async def destroy_weights_group(self, group_name: str) -> None:
         await self._dev("POST", "/shutdown_weight_transfer_engine", None, timeout=self.timeout_s)
@@ -583,17 +594,27 @@ class VLLMClient:
         wv = body.get("weight_version") if isinstance(body, dict) else None
         return None if wv is None else str(wv)
 
-    async def _tied_head(self, root: str | None) -> bool | None:
-        """``tie_word_embeddings`` of the served model: from the engine's own config
-        (``/server_info?config_format=json``, dev mode), else from ``root/config.json`` when that
-        path is readable here (the engine runs on this host)."""
+    async def _server_config(self) -> dict | None:
+        """``GET /server_info?config_format=json`` (dev mode): vLLM's own ``vllm_config``."""
         try:
             body = await self.http.request("GET", "/server_info?config_format=json", timeout=self.admin_timeout_s)
         except (EngineRejected, EngineBadResponse):
-            body = None
-        if isinstance(body, dict):
-            cfg = body.get("vllm_config")
-            model_cfg = cfg.get("model_config") if isinstance(cfg, dict) else None
+            return None
+        cfg = body.get("vllm_config") if isinstance(body, dict) else None
+        return cfg if isinstance(cfg, dict) else None
+
+    @staticmethod
+    def _runs_extension(cfg: dict | None) -> bool:
+        """Whether vLLM was started with ``--worker-extension-cls`` naming Splice's extension."""
+        parallel = cfg.get("parallel_config") if isinstance(cfg, dict) else None
+        return isinstance(parallel, dict) and parallel.get("worker_extension_cls") == EXTENSION_QUALNAME
+
+    async def _tied_head(self, cfg: dict | None, root: str | None) -> bool | None:
+        """``tie_word_embeddings`` of the served model: from the engine's own config
+        (``/server_info?config_format=json``, dev mode), else from ``root/config.json`` when that
+        path is readable here (the engine runs on this host)."""
+        if isinstance(cfg, dict):
+            model_cfg = cfg.get("model_config")
             hf = model_cfg.get("hf_config") if isinstance(model_cfg, dict) else None
             tied = config_ties_head(hf) if isinstance(hf, dict) else None
             if tied is None and isinstance(hf, str) and "tie_word_embeddings" in hf:
@@ -621,12 +642,14 @@ class VLLMClient:
         can_reload = statuses["/collective_rpc"] == 405 and statuses["/update_weight_version"] == 405
         version = await self.weight_version() if can_reload else None
         root = card.get("root")
-        tied = await self._tied_head(str(root) if root else None)
+        cfg = await self._server_config()
+        self.extension = self._runs_extension(cfg)
+        tied = await self._tied_head(cfg, str(root) if root else None)
         warnings: list[str] = []
         if not (can_pause and can_reload):
             missing = [p for p, st in statuses.items() if st != 405]
             warnings.append(f"{self.url}: no {', '.join(missing)}: {DEV_MODE_HINT}; until then pause and weight updates fail")
-        if tied and can_reload:
+        if tied and can_reload and not self.extension:
             warnings.append(f"{self.url}: {TIED_HEAD_WARNING}")
         return EngineInfo(
             context_length=positive_int(card.get("max_model_len")),
@@ -636,6 +659,7 @@ class VLLMClient:
             can_pause=can_pause,
             can_reload=can_reload,
             tied_lm_head=tied,
+            worker_extension=self.extension,
             warnings=tuple(warnings),
         )
 

@@ -296,6 +296,43 @@ def test_vllm_tied_head_update_warns(caplog):
     assert sum("tie_word_embeddings" in r.getMessage() for r in caplog.records) >= 2  # at start and at the update
 
 
+def test_vllm_tied_head_loads_through_the_worker_extension(caplog):
+    """vLLM started with Splice's worker extension: weight loads go through it (which re-ties the
+    head) and nobody is warned; the version still moves only after the load."""
+
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeVLLM(router, A, tied=True, extension=True)
+            pool = make_pool("vllm")
+            await pool.start()
+            await pool.update_weights("/ckpt/v1", 1)
+            await pool.update_weights("/ckpt/v2", 2)
+            await pool.close()
+            return pool, fake
+
+    with caplog.at_level(logging.WARNING):
+        pool, fake = run(go())
+    assert pool.info.tied_lm_head is True and pool.info.worker_extension is True and pool.version == 2
+    assert [r["method"] for r in fake.rpc] == ["splice_reload_weights", "splice_reload_weights"]
+    assert [r["kwargs"] for r in fake.rpc] == [{"weights_path": "/ckpt/v1"}, {"weights_path": "/ckpt/v2"}]
+    assert not any("tie_word_embeddings" in r.getMessage() for r in caplog.records)
+    assert pool.info.warnings == ()
+
+
+def test_vllm_without_the_extension_keeps_vllms_own_reload():
+    async def go():
+        with respx.mock(assert_all_called=False) as router:
+            fake = FakeVLLM(router, A, tied=False)
+            pool = make_pool("vllm")
+            await pool.start()
+            await pool.update_weights("/ckpt/v1", 1)
+            await pool.close()
+            return pool, fake
+
+    pool, fake = run(go())
+    assert pool.info.worker_extension is False and [r["method"] for r in fake.rpc] == ["reload_weights"]
+
+
 def test_sglang_model_path_is_sent_untouched():
     async def go():
         with respx.mock(assert_all_called=False) as router:

@@ -489,8 +489,10 @@ class FakeVLLM:
         served: str = "tiny",
         tied: bool | None = False,
         scale_out: bool = True,
+        extension: bool = False,
     ):
         self.url = url.rstrip("/")
+        self.extension = extension  # started with --worker-extension-cls engines.vllm_worker.SpliceWorkerExtension
         self.version = version
         self.script: list[Step] = []
         self.requests: list[dict] = []
@@ -545,12 +547,17 @@ class FakeVLLM:
     async def _collective_rpc(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         self.rpc.append(body)
-        if body.get("method") != "reload_weights":
-            return httpx.Response(200, json={"results": [None]})
+        method = body.get("method")
+        extension_methods = {"splice_reload_weights", "splice_refresh_tied"}
+        if method in extension_methods and not self.extension:
+            # run_method's NotImplementedError in the worker surfaces as FastAPI's 500
+            return httpx.Response(500, content=b"Internal Server Error")
+        if method not in ("reload_weights", "splice_reload_weights"):
+            return httpx.Response(200, json={"results": [{"refreshed": ["lm_head"]} if method in extension_methods else None]})
         if self.reload_error is not None:
             # an exception in the worker surfaces as FastAPI's 500
             return httpx.Response(500, content=b"Internal Server Error")
-        return httpx.Response(200, json={"results": [None]})
+        return httpx.Response(200, json={"results": [{"refreshed": ["lm_head"] if self.tied else []} if self.extension else None]})
 
     async def _update_weight_version(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
@@ -569,9 +576,9 @@ class FakeVLLM:
         hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
         if self.tied is not None:
             hf["tie_word_embeddings"] = self.tied
-        return httpx.Response(
-            200, json={"vllm_config": {"model_config": {"model": self.root, "hf_config": hf}}, "vllm_env": {}, "system_env": {}}
-        )
+        parallel = {"worker_extension_cls": "engines.vllm_worker.SpliceWorkerExtension" if self.extension else ""}
+        config = {"model_config": {"model": self.root, "hf_config": hf}, "parallel_config": parallel}
+        return httpx.Response(200, json={"vllm_config": config, "vllm_env": {}, "system_env": {}})
 
     async def _generate_tokens(self, request: httpx.Request) -> httpx.Response:
         """``POST /inference/v1/generate`` (vLLM 0.32, ``--enable-scale-out``)."""

@@ -152,10 +152,15 @@ def stop_process(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-def start_vllm(python: Path, model: Path, log: Path, *, served: str = "tiny") -> tuple[str, subprocess.Popen]:
+def start_vllm(
+    python: Path, model: Path, log: Path, *, served: str = "tiny", extension: bool = False
+) -> tuple[str, subprocess.Popen]:
+    """``extension``: with Splice's worker extension (``engines/vllm_worker.py``, importable
+    through PYTHONPATH), as docs/engines.md tells users to start vLLM."""
     port = free_port()
     env = {
         **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the tiny model needs little
         "OMP_NUM_THREADS": os.environ.get("SPLICE_VLLM_THREADS", "2"),
@@ -166,6 +171,8 @@ def start_vllm(python: Path, model: Path, log: Path, *, served: str = "tiny") ->
         "--served-model-name", served, "--dtype", "float32", "--enforce-eager",
         "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
     ]  # fmt: skip
+    if extension:
+        args += ["--worker-extension-cls", "engines.vllm_worker.SpliceWorkerExtension"]
     proc = subprocess.Popen(args, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
