@@ -84,9 +84,22 @@ class TrainConfig:
         "token-mean", "loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean or "
         "seq-mean-token-sum-norm (token sum / --loss-norm-tokens, Dr. GRPO)")
     loss_norm_tokens: int = _opt(8192, "the constant divisor of seq-mean-token-sum-norm (e.g. the generation budget)")
-    engine_gap_cap: float | None = _opt(
-        None, "tokens sampled by the weights the step starts from get weight min(pi_trainer/pi_engine, CAP) "
-        "(truncated importance sampling of the numerics gap; default: off, weight 1)")
+    tis_cap: float | None = _opt(
+        2.0, "truncated importance sampling of the engine-trainer mismatch: where the engine gave a log-prob "
+        "under the weights the step starts from (tokens those weights sampled, or recomputed), the "
+        "behaviour weight carries min(pi_trainer/pi_engine, CAP) ('none': off)")
+    mis_low: float | None = _opt(
+        0.5, "masked importance sampling: tokens whose engine-trainer ratio pi_trainer/pi_engine is below "
+        "this are not trained on ('none' with --mis-high none: off)")
+    mis_high: float | None = _opt(5.0, "masked importance sampling: upper end of the ratio band")
+    engine_gap_cap: float | None = _opt(None, "older name of --tis-cap (overrides it when given)")
+
+    # engine-trainer agreement gate (docs/training.md)
+    agreement_max_error: float | None = _opt(
+        1.1, "stop when token_mult_prob_error (mean exp|trainer - engine log-prob| on tokens with an engine "
+        "value under the trainer's own weights) exceeds this for --agreement-patience steps in a row "
+        "('none': never stop)")
+    agreement_patience: int = _opt(3, "steps in a row past --agreement-max-error before training stops")
 
     # numerics
     temperature: float = _opt(1.0, "the engines' sampling temperature (log-probs are computed at it)")
@@ -101,6 +114,12 @@ class TrainConfig:
     stats_path: str | None = _opt(None, "per-step stats JSONL (default: <out>/stats.jsonl)")
     progress: bool = _opt(True, "show a progress bar")
     log_sessions: bool = _opt(False, "list the session ids each step trained on in its stats record")
+
+    def mis_band(self) -> tuple[float, float] | None:
+        """``(mis_low, mis_high)``, None when both are off (one side off: 0 or infinity)."""
+        if self.mis_low is None and self.mis_high is None:
+            return None
+        return (self.mis_low or 0.0, self.mis_high if self.mis_high is not None else float("inf"))
 
     def validate(self) -> "TrainConfig":
         if not self.proxies:
@@ -122,6 +141,15 @@ class TrainConfig:
             raise ValueError(f"--loss-agg must be one of {', '.join(LOSS_AGGS)}")
         if self.micro_batch_tokens < 2:
             raise ValueError("--micro-batch-tokens must be >= 2")
+        band = self.mis_band()
+        if band is not None and not (0 <= band[0] < 1 < band[1]):
+            raise ValueError(f"--mis-low / --mis-high must satisfy 0 <= low < 1 < high, got {band}")
+        if self.tis_cap is not None and self.tis_cap <= 1:
+            raise ValueError("--tis-cap must be > 1 (or 'none')")
+        if self.agreement_max_error is not None and self.agreement_max_error <= 1:
+            raise ValueError("--agreement-max-error must be > 1 (token_mult_prob_error is 1 when engine and trainer agree)")
+        if self.agreement_patience < 1:
+            raise ValueError("--agreement-patience must be >= 1")
         return self
 
     def check_dtypes(self) -> None:

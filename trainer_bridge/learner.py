@@ -138,7 +138,12 @@ def receive_share(
 
 def _gap_stats(m: MicroBatch, logprobs: torch.Tensor, version: int | None, gap: StatsAccumulator,
                gap_prox: StatsAccumulator) -> None:
-    """Trainer vs engine under the weights held at the start of the step (see :func:`learner_step`)."""
+    """Trainer vs engine under the weights held at the start of the step (see :func:`learner_step`).
+
+    Besides the signed mean and the largest gap of each kind, both kinds together feed the
+    agreement figures (:mod:`trainer_bridge.agreement`): mean ``|gap|`` and NeMo-RL's
+    ``token_mult_prob_error`` (the mean of ``exp(|gap|)``).
+    """
     if version is None:
         return
     loss = m.loss_mask.bool()
@@ -146,12 +151,14 @@ def _gap_stats(m: MicroBatch, logprobs: torch.Tensor, version: int | None, gap: 
     if fresh.any():
         diff = (logprobs - m.logprobs)[fresh].double()
         gap.add({"n_tokens": int(fresh.sum()), "engine_gap_mean": diff.mean().item(),
-                 "engine_gap_abs_max": diff.abs().max().item()})
+                 "engine_gap_abs_max": diff.abs().max().item(), "engine_gap_abs_mean": diff.abs().mean().item(),
+                 "token_mult_prob_error_mean": diff.abs().exp().mean().item()})
     recomputed = loss & (m.versions == version - 1) & (m.proximal_versions == version)
     if recomputed.any():
         diff = (logprobs - m.proximal_logprobs_t)[recomputed].double()
         gap_prox.add({"n_tokens": int(recomputed.sum()), "engine_prox_gap_mean": diff.mean().item(),
-                      "engine_prox_gap_abs_max": diff.abs().max().item()})
+                      "engine_prox_gap_abs_max": diff.abs().max().item(), "engine_gap_abs_mean": diff.abs().mean().item(),
+                      "token_mult_prob_error_mean": diff.abs().exp().mean().item()})
 
 
 @torch.no_grad()
@@ -168,7 +175,9 @@ def _token_flags(m: MicroBatch, version: int | None, config: TrainConfig) -> dic
     """Per-token loss inputs that depend on the version the step starts from."""
     if version is None:
         return {}
-    flags: dict[str, Any] = {"fresh": m.versions == version, "staleness": (version - m.versions).clamp(min=0),
+    flags: dict[str, Any] = {"fresh": m.versions == version,
+                             "recomputed": (m.versions == version - 1) & (m.proximal_versions == version),
+                             "staleness": (version - m.versions).clamp(min=0),
                              "staleness_buckets": 8 if config.max_staleness is None else config.max_staleness + 1}
     if config.missing_proximal_mode == "fallback":
         flags["proximal_missing"] = (m.proximal_versions == m.versions) & (m.versions < version)
@@ -206,7 +215,8 @@ def train_minibatch(learner: Learner, plan: MinibatchPlan, config: TrainConfig, 
             loss_agg=config.loss_agg,
             seq_ids=m.seq_ids,
             loss_norm_tokens=config.loss_norm_tokens,
-            engine_gap_cap=config.engine_gap_cap,
+            tis_cap=config.engine_gap_cap if config.engine_gap_cap is not None else config.tis_cap,
+            mis_band=config.mis_band(),
             **_token_flags(m, version, config),
         )
         # the loss is already the whole minibatch's mean; FSDP averages gradients over ranks, undo that
@@ -300,6 +310,10 @@ def learner_step(
             out[f"behav_imp_weight_mean_stale{bucket}"] = w_sum / tokens
             out[f"tokens_stale{bucket}"] = int(tokens)
     gap_stats, prox_stats = gap.result(), prox.result()
+    both = StatsAccumulator()
+    both.merge(gap)
+    both.merge(prox)
+    agreement = both.result()
     out.update(
         loss=sum(losses) / len(losses) if losses else 0.0,
         loss_tokens=step_stats.n,
@@ -313,6 +327,11 @@ def learner_step(
         engine_prox_gap_tokens=prox_stats["n_tokens"],
         engine_prox_gap_mean=prox_stats.get("engine_prox_gap_mean", 0.0),
         engine_prox_gap_abs_max=prox_stats.get("engine_prox_gap_abs_max", 0.0),
+        agreement_tokens=agreement["n_tokens"],
+        agreement_token_share=agreement["n_tokens"] / step_stats.n if step_stats.n else 0.0,
+        agreement_abs_gap_mean=agreement.get("engine_gap_abs_mean", 0.0),
+        agreement_abs_gap_max=max(gap_stats.get("engine_gap_abs_max", 0.0), prox_stats.get("engine_prox_gap_abs_max", 0.0)),
+        token_mult_prob_error=agreement.get("token_mult_prob_error_mean", 1.0) if agreement["n_tokens"] else None,
         lr=float(learner.optimizer.param_groups[0]["lr"]) if getattr(learner.optimizer, "param_groups", None) else 0.0,
         **plan_stats,
     )

@@ -21,9 +21,15 @@ Options for long off-policy agent samples:
 
 * ``proximal_missing``: tokens whose ``pi_{v+1}`` was never recomputed fall back to the
   decoupled weight ``pi_prox / pi_behav`` (segment mode only; otherwise their weight would be 1);
-* ``fresh`` + ``engine_gap_cap``: tokens sampled by the very weights the trainer starts from get
-  ``w = min(pi_prox / pi_behav, cap)``, a truncated importance weight for the trainer-vs-engine
-  numerics gap (their segment weight would be 1);
+* off-policy guards on the engine-trainer mismatch ``rho = pi_trainer / pi_engine`` under the
+  *same* weights, known for tokens sampled by the weights the step starts from (``fresh``:
+  ``rho = exp(prox - behav)``) and tokens whose ``pi_{v+1}`` the engine recomputed under those
+  weights (``recomputed``: ``rho = exp(prox - prox_t)``); ``rho = 1`` elsewhere.
+  ``tis_cap`` (truncated importance sampling): the mismatch factor of the behaviour weight is
+  ``min(rho, cap)`` (segment / off modes multiply it in, the decoupled weight has its own ``rho``
+  replaced); ``mis_band = (lo, hi)`` (masked importance sampling, IcePop-style): tokens with
+  ``rho`` outside the band are not trained on. ``engine_gap_cap`` is the older name of
+  ``tis_cap``;
 * ``loss_agg``: how token terms become one number (see :data:`LOSS_AGGS`).
 
 Statistics come back as tensors, so a training step needs no host sync for them;
@@ -60,6 +66,9 @@ STAT_KEYS = (
     "ratio_max",
     "missing_fallback_frac",
     "engine_gap_capped_frac",
+    "tis_truncated_frac",
+    "mis_masked_frac",
+    "mismatch_known_frac",
 )
 
 
@@ -84,6 +93,9 @@ def decoupled_ppo_loss(
     proximal_missing: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
     engine_gap_cap: float | None = None,
+    recomputed: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    mis_band: tuple[float, float] | None = None,
     staleness: torch.Tensor | None = None,
     staleness_buckets: int = 8,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -111,7 +123,7 @@ def decoupled_ppo_loss(
             raise ValueError("behav_weight='segment' needs proximal_logprobs_t")
         proximal_logprobs_t = old_logprobs
     tensors = [logprobs, proximal_logprobs, old_logprobs, proximal_logprobs_t, advantages, loss_mask]
-    tensors += [t for t in (seq_ids, proximal_missing, fresh, staleness) if t is not None]
+    tensors += [t for t in (seq_ids, proximal_missing, fresh, recomputed, staleness) if t is not None]
     shapes = {t.shape for t in tensors}
     if len(shapes) != 1:
         raise ValueError(f"all loss inputs must share one shape, got {sorted(map(tuple, shapes))}")
@@ -123,8 +135,14 @@ def decoupled_ppo_loss(
         raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGGS)}, got {loss_agg!r}")
     if loss_agg == "seq-mean-token-sum-norm" and not loss_norm_tokens:
         raise ValueError("loss_agg='seq-mean-token-sum-norm' needs loss_norm_tokens (the constant normaliser)")
-    if engine_gap_cap is not None and engine_gap_cap <= 0:
-        raise ValueError(f"engine_gap_cap must be > 0, got {engine_gap_cap}")
+    if engine_gap_cap is not None:
+        if tis_cap is not None and tis_cap != engine_gap_cap:
+            raise ValueError("engine_gap_cap is the older name of tis_cap: give one of them")
+        tis_cap = engine_gap_cap
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    if mis_band is not None and not (0 <= mis_band[0] < 1 < mis_band[1]):
+        raise ValueError(f"mis_band must be (lo, hi) with 0 <= lo < 1 < hi, got {mis_band}")
     eps_hi = eps_clip if eps_clip_higher is None else eps_clip_higher
 
     mask = loss_mask.bool()
@@ -160,13 +178,24 @@ def decoupled_ppo_loss(
             behav_kl = torch.zeros_like(old)
         behav_kl = torch.where(mask, behav_kl, torch.zeros_like(behav_kl))
         w = torch.exp(behav_kl)
+        # where the engine gave a log-prob under the weights the trainer holds: rho is known there
+        fresh_m = mask & as_mask(fresh, mask)
+        recomputed_m = mask & as_mask(recomputed, mask) & ~fresh_m
+        known = fresh_m | recomputed_m
+        prox_t64 = proximal_logprobs_t.to(torch.float64)
+        zero = torch.zeros_like(old)
+        mismatch = torch.where(fresh_m, prox64 - old, torch.where(recomputed_m, prox64 - prox_t64, zero))
+        rho = torch.exp(mismatch)
         capped = no
-        if engine_gap_cap is not None and fresh is not None:
-            gap_w = torch.exp(torch.where(mask, prox64 - old, torch.zeros_like(old)))
-            fresh_m = mask & fresh.bool()
-            capped = fresh_m & (gap_w > engine_gap_cap)
-            w = torch.where(fresh_m, gap_w.clamp(max=engine_gap_cap), w)
+        if tis_cap is not None:
+            capped = known & (rho > tis_cap)
+            own = rho if behav_weight == "decoupled" else torch.ones_like(rho)  # the rho already inside w
+            w = torch.where(known, w / own * rho.clamp(max=tis_cap), w)
         keep = mask.clone()
+        mis = no
+        if mis_band is not None:
+            mis = known & ((rho < mis_band[0]) | (rho > mis_band[1]))
+            keep &= ~mis
         if behav_imp_weight_cap is not None:
             keep &= w <= behav_imp_weight_cap
         if behav_imp_weight_floor is not None:
@@ -178,7 +207,7 @@ def decoupled_ppo_loss(
 
     with torch.no_grad():
         stats = _token_stats(mask, ratio=ratio.detach(), w=w, behav_kl=behav_kl, clipped=clipped, dual=dual, keep=keep,
-                             fallback=fallback, capped=capped)
+                             fallback=fallback, capped=capped, mis=mis, known=known)
         stats["loss"] = loss.detach()
         if staleness is not None:
             bucket = staleness.long().clamp(0, staleness_buckets - 1)
@@ -217,7 +246,12 @@ def _aggregation_weights(mask, loss_agg, seq_ids, loss_normalizer, loss_norm_tok
     return weight.reshape(m.shape)
 
 
-def _token_stats(mask, *, ratio, w, behav_kl, clipped, dual, keep, fallback, capped) -> dict[str, torch.Tensor]:
+def as_mask(flags: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``flags`` as a boolean mask (all False when not given)."""
+    return torch.zeros_like(like, dtype=torch.bool) if flags is None else flags.bool()
+
+
+def _token_stats(mask, *, ratio, w, behav_kl, clipped, dual, keep, fallback, capped, mis, known) -> dict[str, torch.Tensor]:
     """Means/fractions over loss-mask tokens, as 0-d tensors; zeros when there are none."""
     m = mask.to(torch.float64)
     n = m.sum()
@@ -250,6 +284,9 @@ def _token_stats(mask, *, ratio, w, behav_kl, clipped, dual, keep, fallback, cap
         "ratio_max": extreme(ratio, torch.max, float("-inf")),
         "missing_fallback_frac": mean(fallback),
         "engine_gap_capped_frac": mean(capped),
+        "tis_truncated_frac": mean(capped),
+        "mis_masked_frac": mean(mis),
+        "mismatch_known_frac": mean(known),
     }
 
 

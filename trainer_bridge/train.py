@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from . import distributed
 from .advantages import group_advantages
+from .agreement import EXIT_CODE as AGREEMENT_EXIT_CODE
+from .agreement import AgreementError, AgreementGate
 from .batching import validate_sample
 from .checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from .client import ProxyClient, ProxyError
@@ -248,12 +250,19 @@ def format_stats(s: dict[str, Any]) -> str:
         f" | w {s.get('behav_imp_weight_mean', 0):.3f}±{s.get('behav_imp_weight_std', 0):.3f}"
         f" max {s.get('behav_imp_weight_max', 0):.2f} | kl {s.get('behav_kl_mean', 0):+.4f}"
         f" | masked {s.get('masked_frac', 0):.3f} | ent {s.get('entropy_mean', 0):.3f}"
+        f" | agree {_agreement(s)}"
         f" | stale {s.get('staleness_mean', 0):.2f}/{s.get('staleness_max', 0)}"
         f" | reward {s.get('reward_mean', 0):.3f}±{s.get('reward_std', 0):.3f} | samples {s.get('n_samples', 0)}"
         f" (-{s.get('n_dropped_stale', 0)} stale) | tokens {s.get('loss_tokens', 0)}"
         f" | imbalance {s.get('imbalance', 1.0):.2f} pad {s.get('padding_frac', 0.0):.1%}"
         f" | {s.get('train_time_s', 0):.1f}s train + {s.get('publish_time_s', 0):.1f}s publish"
     )
+
+
+def _agreement(s: dict[str, Any]) -> str:
+    """``token_mult_prob_error`` and its token count, or ``-`` when the step measured none."""
+    err = s.get("token_mult_prob_error")
+    return "-" if err is None else f"{err:.4f}/{s.get('agreement_tokens', 0)}"
 
 
 def _progress(config: TrainConfig, dist: Dist):
@@ -340,6 +349,7 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
         # rank 0 fetches each image once (GET /v1/images/{hash}) and sends the bytes with the share
         images = ImageSource(learner.vision, lambda h: client.image_bytes(h)) if learner.vision is not None and dist.is_main else None
         history: list[dict[str, Any]] = []
+        gate = AgreementGate(config.agreement_max_error, config.agreement_patience)
         for step in range(first_step, config.steps + 1):
             pulled: list[Batch] = []
 
@@ -360,6 +370,15 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
                 break
             t0 = time.perf_counter()
             stats = learner_step(learner, batch.samples, batch.advantages, config, step, version=version)
+            stats.update(gate.check(stats))  # identical on every rank: the stats are merged over ranks
+            if gate.tripped:  # publish nothing, ack nothing: the samples go back to the pool
+                record = {"step": step, "version": version, "trained_on_version": version, **dict(header.info), **stats}
+                if dist.is_main:
+                    _log(bar, format_stats(record))
+                    with stats_path.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                history.append(record)
+                raise AgreementError(gate.message(stats))
             new_version = version + 1 if config.publish else version
             path = out / f"step_{step}"
 
@@ -437,7 +456,11 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     """``splice train`` entry point."""
     config = config_from_argv(argv)
-    train(config)
+    try:
+        train(config)
+    except AgreementError as exc:
+        print(f"splice train: stopped: {exc}", file=sys.stderr, flush=True)
+        return AGREEMENT_EXIT_CODE
     return 0
 
 

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from splice_trainer_testlib import make_samples  # noqa: E402
+from splice_trainer_testlib import SYNTHETIC_GUARDS_OFF, make_samples  # noqa: E402
 from trainer_bridge import distributed  # noqa: E402
 from trainer_bridge.config import TrainConfig  # noqa: E402
 from trainer_bridge.train import build_learner, learner_step, prepare_batch, train  # noqa: E402
@@ -70,7 +70,7 @@ def main(model_dir: str, out_dir: str) -> None:
     torch.manual_seed(0)
     dist = distributed.setup("cpu")
     out = Path(out_dir)
-    cfg = TrainConfig(proxies=["unused"], model=model_dir, out=str(out / "train"), micro_batch_tokens=48,
+    cfg = TrainConfig(**SYNTHETIC_GUARDS_OFF, proxies=["unused"], model=model_dir, out=str(out / "train"), micro_batch_tokens=48,
                       ppo_n_minibatches=2, max_grad_norm=None, c_clip=3.0, progress=False, keep_last=None,
                       checkpoint_every=None)
     samples = make_samples(n_groups=3, group_size=2, seed=7, max_len=30)  # 9 samples: uneven shares

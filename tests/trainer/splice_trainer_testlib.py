@@ -97,3 +97,8 @@ def _sample(rng, sample_id, session, group, reward, version, vocab, min_len, max
         "proximal_logprobs_t": pt,
         "proximal_versions": pv,
     }
+
+
+#: Config for synthetic samples: their behaviour log-probs are random, not the model's, so the
+#: engine-trainer mismatch guards (on by default) would mask or reweight nearly every fresh token.
+SYNTHETIC_GUARDS_OFF: dict[str, Any] = {"tis_cap": None, "mis_low": None, "mis_high": None}

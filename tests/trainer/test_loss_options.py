@@ -29,11 +29,13 @@ def packed_inputs(seed: int, lengths=(5, 9, 1, 14, 7)) -> dict[str, torch.Tensor
     versions = torch.randint(6, 11, (n,), generator=g)
     missing = (torch.rand(n, generator=g) < 0.3) & (versions < 10)
     adv_per_seq = torch.randn(len(lengths), generator=g, dtype=torch.float64) * 2
+    prox_t = old + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 2.4
+    prox_t = torch.where(versions == 10, old, prox_t)  # pi_{v+1} of a fresh token does not exist yet
     return {
         "lp": old + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 1.2,
         "prox": old + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 2.4,
         "old": old,
-        "prox_t": old + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 2.4,
+        "prox_t": prox_t,
         "adv": adv_per_seq[seq],
         "mask": mask,
         "seq": seq,
@@ -195,3 +197,84 @@ def test_bad_aggregation_options_raise():
         run(x, loss_agg="sum")
     with pytest.raises(ValueError, match="loss_norm_tokens"):
         run(x, loss_agg="seq-mean-token-sum-norm")
+
+
+def guard_reference(x, *, tis=None, band=None, behav="segment"):
+    """Float64, token by token: the engine-trainer mismatch rho (fresh: prox - old; recomputed:
+    prox - prox_t; else unknown), TIS multiplies min(rho, tis) into the weight in place of rho,
+    MIS drops tokens whose rho leaves the band. Returns (loss, truncated, masked_by_band, tokens)."""
+    col = {k: x[k].tolist() for k in ("lp", "prox", "old", "prox_t", "adv", "mask", "fresh", "recomputed")}
+    n_tok = sum(1 for m in col["mask"] if m)
+    total, truncated, banded = 0.0, 0, 0
+    for i in range(len(col["lp"])):
+        if not col["mask"][i]:
+            continue
+        a = col["adv"][i]
+        r = math.exp(col["lp"][i] - col["prox"][i])
+        pg = max(-a * r, -a * min(max(r, 1 - EPS), 1 + EPS))
+        if a < 0 and pg > C_CLIP * abs(a):
+            pg = C_CLIP * abs(a)
+        if behav == "segment":
+            w = math.exp(col["prox_t"][i] - col["old"][i])
+        else:
+            w = math.exp(col["prox"][i] - col["old"][i])
+        rho = None
+        if col["fresh"][i]:
+            rho = math.exp(col["prox"][i] - col["old"][i])
+        elif col["recomputed"][i]:
+            rho = math.exp(col["prox"][i] - col["prox_t"][i])
+        if rho is not None and tis is not None:
+            truncated += rho > tis
+            inner = rho if behav == "decoupled" else 1.0
+            w = w / inner * min(rho, tis)
+        if rho is not None and band is not None and not (band[0] <= rho <= band[1]):
+            banded += 1
+            continue
+        if w > CAP or w < FLOOR:
+            continue
+        total += pg * w / n_tok
+    return total, truncated, banded, n_tok
+
+
+@pytest.mark.parametrize("behav", ["segment", "decoupled"])
+@pytest.mark.parametrize("tis,band", [(2.0, None), (None, (0.5, 2.0)), (1.5, (0.6, 3.0))])
+def test_off_policy_guards_match_float64_reference(behav, tis, band):
+    """TIS and MIS on fresh and recomputed tokens, each against the float64 formula; the share of
+    tokens each guard touched is reported."""
+    for seed in range(5):
+        x = packed_inputs(seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        # tokens v-1 sampled whose pi_v the engine recomputed (their prox_t is under the trainer's weights)
+        x["recomputed"] = (x["versions"] == 9) & (torch.rand(x["lp"].numel(), generator=g) < 0.8)
+        loss, stats = run(x, fresh=x["fresh"], recomputed=x["recomputed"], tis_cap=tis, mis_band=band, behav_weight=behav)
+        ref, truncated, banded, n_tok = guard_reference(x, tis=tis, band=band, behav=behav)
+        assert loss.item() == pytest.approx(ref, abs=1e-12)
+        s = stats_to_floats(stats)
+        assert s["tis_truncated_frac"] == pytest.approx(truncated / n_tok)
+        assert s["mis_masked_frac"] == pytest.approx(banded / n_tok)
+        if tis is not None and band is None:
+            assert truncated > 0  # the data exercises the guard
+        if band is not None:
+            assert banded > 0
+        # and a guard changes the loss
+        plain, _ = run(x, behav_weight=behav)
+        assert plain.item() != pytest.approx(loss.item(), abs=1e-9)
+
+
+def test_guards_leave_unmeasured_tokens_alone():
+    """Without fresh / recomputed flags no token has a known mismatch: the guards change nothing."""
+    x = packed_inputs(3)
+    plain, _ = run(x)
+    guarded, stats = run(x, tis_cap=1.01, mis_band=(0.99, 1.01))
+    assert guarded.item() == pytest.approx(plain.item(), abs=1e-15)
+    assert float(stats["mismatch_known_frac"]) == 0.0
+
+
+def test_guard_arguments_are_checked():
+    x = packed_inputs(0)
+    with pytest.raises(ValueError, match="mis_band"):
+        run(x, mis_band=(1.2, 3.0))
+    with pytest.raises(ValueError, match="tis_cap"):
+        run(x, tis_cap=0.0)
+    with pytest.raises(ValueError, match="older name"):
+        run(x, tis_cap=2.0, engine_gap_cap=3.0)

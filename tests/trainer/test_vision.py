@@ -24,6 +24,7 @@ from PIL import Image
 from engines.reference.vision_files import ensure_vision_model
 from trainer_bridge.batching import empty_micro_batch, pack
 from trainer_bridge.client import ProxyClient, ProxyError, read_arrow_samples
+from splice_trainer_testlib import SYNTHETIC_GUARDS_OFF
 from trainer_bridge.config import TrainConfig
 from trainer_bridge.distributed import Dist
 from trainer_bridge.image_fetch import ImageSource
@@ -146,7 +147,7 @@ def vl_sample(sample_id: str, picks: list[tuple[str, list[int]]], seed: int, n_o
 
 
 def learner_for(vl_dir, tmp_path, **kw):
-    cfg = TrainConfig(proxies=["http://unused"], model=str(vl_dir), out=str(tmp_path), progress=False,
+    cfg = TrainConfig(**SYNTHETIC_GUARDS_OFF, proxies=["http://unused"], model=str(vl_dir), out=str(tmp_path), progress=False,
                       max_grad_norm=None, micro_batch_tokens=4096, **kw)
     return build_learner(cfg, Dist()), cfg
 
@@ -494,7 +495,7 @@ def test_train_loop_fetches_each_image_once_and_publishes_a_vision_folder(vl_dir
     samples = [vl_sample("i:0", [(items[0][0], items[0][1][1]), (items[1][0], items[1][1][1])], seed=20, reward=1.0),
                vl_sample("i2:0", [(items[1][0], items[1][1][1])], seed=21, reward=0.0)]
     proxy = ImageProxy([samples], {h: d for h, (d, _) in images.items()})
-    cfg = TrainConfig(proxies=["http://unused"], model=str(vl_dir), out=str(tmp_path / "run"), progress=False,
+    cfg = TrainConfig(**SYNTHETIC_GUARDS_OFF, proxies=["http://unused"], model=str(vl_dir), out=str(tmp_path / "run"), progress=False,
                       checkpoint_every=None, lr=1e-3, micro_batch_tokens=4096)
     (record,) = train(cfg, client=proxy)
     assert record["n_images"] == 3 and record["n_images_fetched"] == 2 and sorted(proxy.fetched) == sorted(

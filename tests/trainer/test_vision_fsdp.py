@@ -26,6 +26,7 @@ def worker(out_dir: str) -> None:
 
     from engines.reference.vision_files import ensure_vision_model
     from trainer_bridge import distributed
+    from splice_trainer_testlib import SYNTHETIC_GUARDS_OFF
     from trainer_bridge.config import TrainConfig
     from trainer_bridge.image_fetch import ImageSource
     from trainer_bridge import learner as learner_module
@@ -35,7 +36,7 @@ def worker(out_dir: str) -> None:
     torch.manual_seed(0)
     model_dir = ensure_vision_model()
     dist = distributed.setup("cpu")
-    cfg = TrainConfig(proxies=["unused"], model=str(model_dir), out=str(Path(out_dir) / "train"), progress=False,
+    cfg = TrainConfig(**SYNTHETIC_GUARDS_OFF, proxies=["unused"], model=str(model_dir), out=str(Path(out_dir) / "train"), progress=False,
                       micro_batch_tokens=64, ppo_n_minibatches=2, max_grad_norm=None, checkpoint_every=None)
     learner = build_learner(cfg, dist)
     learner.optimizer = RecordingSGD(learner.policy.parameters(), lr=0.05)
