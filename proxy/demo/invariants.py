@@ -65,3 +65,20 @@ def check_sample(sample: dict[str, Any], turns: list[dict[str, Any]]) -> list[st
             if sample["logprobs"][start : start + len(o)] != t["output_logprobs"]:
                 out.append(f"sample {sid}: turn {t['index']} logprobs are misaligned in the sample")
     return out
+
+
+#: The agreement bound the demo holds its run to: the trainer's own gate default.
+AGREEMENT_MAX_ERROR = 1.1
+
+
+def agreement_problems(stats: list[dict[str, Any]], max_error: float = AGREEMENT_MAX_ERROR) -> list[str]:
+    """Engine and trainer agree on the same weights: at least one step measured it, and every
+    measured step's ``token_mult_prob_error`` (mean ``exp|gap|``) stays within ``max_error``."""
+    measured = [(r["step"], r["token_mult_prob_error"]) for r in stats if r.get("token_mult_prob_error") is not None]
+    if not measured:
+        return ["no step measured engine-trainer agreement (no loss token had an engine log-prob under the trainer's weights)"]
+    return [
+        f"step {step}: engine and trainer disagree on the same weights (token_mult_prob_error {err:.4g} > {max_error})"
+        for step, err in measured
+        if err > max_error
+    ]

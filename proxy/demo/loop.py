@@ -32,7 +32,7 @@ from engines.reference.launch import free_port, wait_healthy
 
 from . import task
 from .driver import Driver
-from .invariants import check_sample, check_session
+from .invariants import agreement_problems, check_sample, check_session
 from .progress import Progress, bar
 from .report import build_summary, table
 
@@ -108,6 +108,11 @@ def _init_model(run: Path, args: argparse.Namespace, env: dict[str, str], prog: 
     return model_dir
 
 
+def _agree(r: dict[str, Any]) -> str:
+    err = r.get("token_mult_prob_error")
+    return "-" if err is None else f"{err:.5f}"
+
+
 class StatsTail:
     """Follows the trainer's stats.jsonl; prints a line per finished step."""
 
@@ -138,6 +143,7 @@ class StatsTail:
             f" | reward {r.get('reward_mean', 0):.3f}±{r.get('reward_std', 0):.3f} over {r.get('n_sessions', 0)} sessions"
             f" | w {r.get('behav_imp_weight_mean', 1):.3f} max {r.get('behav_imp_weight_max', 1):.2f}"
             f" | stale {r.get('staleness_mean', 0):.2f} | ent {r.get('entropy_mean', 0):.2f}"
+            f" | agree {_agree(r)}"
             f" | train {r.get('train_time_s', 0):.1f}s publish {r.get('publish_time_s', 0):.1f}s | step took {now - self._last_t:.1f}s"
         )
         self._last_t = now
@@ -189,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         prog.live("proxy    starting ...")
         _wait(base, proxy, "proxy", log)
         prog.phase("proxy", f"splice serve up at {base} (store {run / 'splice.sqlite'})")
+        for warning in engine_warnings(log):
+            prog.line(f"WARNING  {warning}")
 
         # 4: trainer + agents
         trainer = _spawn(
@@ -239,6 +247,16 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+def engine_warnings(log: Path) -> list[str]:
+    """The WARNING lines ``splice serve`` logged so far (engine facts at start-up: missing dev
+    mode, a tied head without the vLLM extension, ...), for the console the user watches."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [line.split("WARNING", 1)[1].strip(" :-") for line in text.splitlines() if "WARNING" in line][:20]
+
+
 def _report(base: str, run: Path, args: argparse.Namespace, results: list, stats: list[dict[str, Any]], prog: Progress,
             model_name: str) -> int:
     prog.live("report   reading the recorded sessions ...")
@@ -260,8 +278,7 @@ def _report(base: str, run: Path, args: argparse.Namespace, results: list, stats
         problems.append(f"the trainer finished {len(stats)} of {args.steps} steps")
     if max(versions or [0]) < 2:
         problems.append(f"expected at least two weight updates during the run, saw versions {versions}")
-    if not any(len(set(t["versions"])) > 1 for s in sessions for t in s["turns"]):
-        problems.append("no weight update landed while a turn was being generated")
+    problems += agreement_problems(stats)
     summary = build_summary(
         task={"name": task.NAME, "description": task.DESCRIPTION, "chance_reward": task.chance_reward(),
               "reward": "computed by the demo from each turn's sampled message text (proxy/demo/task.py), posted to the proxy"},

@@ -159,6 +159,15 @@ def weight_transfer_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def agreement_line(steps: list[dict[str, Any]]) -> str:
+    """token_mult_prob_error over the steps that measured it (1 = exact), and the largest gap."""
+    errs = [s["token_mult_prob_error"] for s in steps if s.get("token_mult_prob_error") is not None]
+    if not errs:
+        return "not measured"
+    gap = max(float(s.get("agreement_abs_gap_max", 0.0)) for s in steps)
+    return f"token_mult_prob_error max {max(errs):.5f} over {len(errs)}/{len(steps)} steps, max |gap| {gap:.1e} nats"
+
+
 def table(summary: dict[str, Any]) -> str:
     """The summary as aligned text for the terminal."""
     t = summary["totals"]
@@ -170,7 +179,8 @@ def table(summary: dict[str, Any]) -> str:
         ("forks by reason", ", ".join(f"{k} {v}" for k, v in sorted(t["forks"].items())) or "none"),
         ("drift a re-render would cause (turns)", t.get("drift_avoided_turns", "n/a")),
         ("aborts / resumes", f"{t.get('aborts', 'n/a')} / {t.get('resumes', 'n/a')}"),
-        ("turns spanning two versions", t["turns_spanning_versions"]),
+        ("turns spanning two versions", f"{t['turns_spanning_versions']} (a weight update landed mid-turn: aborted, resumed)"),
+        ("engine-trainer agreement", agreement_line(summary["steps"])),
         ("proximal values recomputed (tokens)", t["proximal_recomputed_tokens"]),
         ("policy versions seen", f"{t['versions_seen'][0]}..{t['versions_seen'][-1]}" if t["versions_seen"] else "none"),
         ("baseline reward (v0 sessions)", f"{base['reward_mean']:.3f} ± {base['reward_std']:.3f} (n={base['n_sessions']})"),
@@ -180,7 +190,8 @@ def table(summary: dict[str, Any]) -> str:
             f"step {s['step']:>2}",
             f"reward {s.get('reward_mean', float('nan')):.3f}±{s.get('reward_std', float('nan')):.3f}"
             f"  w {s.get('behav_imp_weight_mean', float('nan')):.3f}/{s.get('behav_imp_weight_max', float('nan')):.2f}"
-            f"  gap {s.get('engine_gap_abs_max', float('nan')):.1e}  stale {s.get('staleness_mean', float('nan')):.2f}"
+            f"  gap {s.get('agreement_abs_gap_max', s.get('engine_gap_abs_max', float('nan'))):.1e}"
+            f"  stale {s.get('staleness_mean', float('nan')):.2f}"
             f"  ent {s.get('entropy_mean', float('nan')):.2f}",
         ))
     rows.append(("reward: first 3 steps -> last 3", f"{summary['reward_first3_mean']:.3f} -> {summary['reward_last3_mean']:.3f}"

@@ -119,6 +119,11 @@ def test_vllm_prompt_logprobs_and_defaults(engine, oracle):
 
 
 def test_weight_update_changes_logprobs_and_version(engine, model_dir, perturbed_dir, oracle, oracle_v1):
+    """The model ties its LM head (as Qwen3-0.6B does): after the update the head is the new
+    embedding too, as SGLang's loader does it (docs/engines.md, "Tied LM heads")."""
+    import json as _json
+
+    assert _json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"] is True
     prompt = oracle.chat_prompt("weights")
     try:
         r = httpx.post(engine + "/update_weights_from_disk", json={"model_path": str(perturbed_dir), "weight_version": "7"}, timeout=60)
