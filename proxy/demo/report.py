@@ -17,7 +17,8 @@ STEP_KEYS = (
     "engine_gap_mean", "engine_gap_abs_max", "engine_gap_tokens",
     "engine_prox_gap_mean", "engine_prox_gap_abs_max", "engine_prox_gap_tokens", "staleness_mean", "staleness_max",
     "n_sessions", "n_samples", "n_dropped_stale", "loss_tokens", "grad_norm", "train_time_s", "publish_time_s",
-    "weight_transfer",
+    "weight_transfer", "token_mult_prob_error", "agreement_tokens", "agreement_token_share", "agreement_abs_gap_mean",
+    "agreement_abs_gap_max", "tis_truncated_frac", "mis_masked_frac",
 )
 
 

@@ -326,6 +326,44 @@ def test_tied_lm_head_with_the_extension_runs_the_published_weights(vllm_python,
     assert max(abs(a - b) for a, b in zip(reads[0], reads[1])) > 1e-2
 
 
+DEMO_STEPS = int(__import__("os").environ.get("SPLICE_LIVE_DEMO_STEPS", "6"))
+
+
+def test_demo_learns_on_real_vllm_with_its_own_tied_model(vllm_python, tmp_path):
+    """`splice demo --engine vllm` with the demo's own warm-started model (tied head, as
+    Qwen3-0.6B) behind a real vLLM started as docs/engines.md says: every invariant holds,
+    engine and trainer agree on every measured step, and the reward rises."""
+    import json
+    import subprocess
+    import sys
+
+    from proxy.demo import task
+    from vllm_live_support import REPO, start_vllm, stop_process
+
+    model = tmp_path / "model"
+    data = task.write_warm_start(tmp_path / "warm_start.jsonl", 2000, 0)
+    subprocess.run([sys.executable, "-m", "proxy.cli", "init-model", str(model), "--seed", "0", "--head-dim", "64",
+                    "--warm-start", str(data), "--warm-start-steps", "30", "--threads", "1"],
+                   cwd=REPO, check=True, capture_output=True, timeout=900)
+    assert json.loads((model / "config.json").read_text())["tie_word_embeddings"] is True
+    url, proc = start_vllm(vllm_python, model, tmp_path / "vllm-demo.log", served=str(model), extension=True)
+    try:
+        run = tmp_path / "run"
+        done = subprocess.run([sys.executable, "-m", "proxy.cli", "demo", "--engine-url", url, "--engine", "vllm",
+                               "--model", str(model), "--steps", str(DEMO_STEPS), "--seed", "0", "--out", str(run)],
+                              cwd=REPO, capture_output=True, text=True, timeout=1800)
+    finally:
+        stop_process(proc)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["invariants"]["ok"], summary["invariants"]
+    errors = [s["token_mult_prob_error"] for s in summary["steps"] if s.get("token_mult_prob_error") is not None]
+    FIGURES["demo_token_mult_prob_error_max"] = max(errors)
+    FIGURES["demo_reward_first3"], FIGURES["demo_reward_last3"] = summary["reward_first3_mean"], summary["reward_last3_mean"]
+    assert len(errors) >= DEMO_STEPS - 1 and max(errors) <= 1.01  # float32 on both sides: float noise
+    assert summary["reward_gain"] > 0.05, summary["reward_first3_mean"]
+
+
 def test_report_figures():
     """Prints the measured figures (kept last)."""
     print("\nlive vLLM figures:", {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in FIGURES.items()})
