@@ -36,6 +36,7 @@ class TrainingPool:
         self.db = db
         self.turns = turns
         self.clock = clock
+        self.train_auxiliary = False  # --train-auxiliary: harness side calls are handed out as samples too
 
     def pull(
         self, max_samples: int, lease_timeout_s: float, *, keep: Callable[[Sample], bool] | None = None
@@ -78,7 +79,7 @@ class TrainingPool:
                 count = dropped = 0
                 for session_id in unit.session_ids:
                     session = read_session(c, session_id)
-                    for sample in assemble_samples(session, self.turns.iter_tokens(c, session_id)):
+                    for sample in assemble_samples(session, self.turns.iter_tokens(c, session_id), train_auxiliary=self.train_auxiliary):
                         if keep is None or keep(sample):
                             count += 1
                         else:
@@ -115,7 +116,7 @@ class TrainingPool:
         for session_id in session_ids:
             with self.db.read(snapshot=True) as c:
                 session = read_session(c, session_id)
-                samples = assemble_samples(session, self.turns.iter_tokens(c, session_id)) if session is not None else []
+                samples = assemble_samples(session, self.turns.iter_tokens(c, session_id), train_auxiliary=self.train_auxiliary) if session is not None else []
             yield from (s for s in samples if keep is None or keep(s))
 
     def rewarded(self, *, since: float | None = None, acked: bool = False, after: tuple[float, str] | None = None,
