@@ -151,7 +151,7 @@ class RenderError(Exception):
 def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat) -> Plan:
     """Splice onto the recorded turn the request continues, or render in full (see module doc)."""
     last_asst = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=-1)
-    req.compaction = "restart" if req.compacted_from else compaction_kind(req.messages)
+    req.compaction = "restart" if req.compacted_from and last_asst < 0 else compaction_kind(req.messages)
     hh = HistoryHash(edits=keeps_edits(req)).extend(req.messages[: last_asst + 1])
     p = _plan(req, lookup, fmt, last_asst, hh)
     p.history_hash, p.hashed = hh, last_asst + 1

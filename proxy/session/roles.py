@@ -41,12 +41,6 @@ SUMMARY_REQUEST_MARKERS = (
     "You are performing a CONTEXT CHECKPOINT COMPACTION",
     "Your task is to create a detailed summary of the conversation so far",
 )
-CODEX_SUMMARY_PREFIX = (
-    "Another language model started to solve this problem and produced a summary of its thinking process. You also "
-    "have access to the state of the tools that were used by that language model. Use this to build on the work that "
-    "has already been done and avoid duplicating work. Here is the summary produced by the other language model, use "
-    "the information in this summary to  assist with your own analysis:"
-)
 RESTART_MARKERS = (
     "Another language model started to solve this problem and produced a summary",
     "This session is being continued from a previous conversation",
