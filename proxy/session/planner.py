@@ -280,21 +280,48 @@ def summary_content_ids(fmt: ChatFormat, prompt: list[int], output: list[int]) -
     return text, list(output[lo:end])
 
 
+def _rfind(seq: list[int], sub: list[int], start: int = 0) -> int:
+    """The last index >= ``start`` where ``sub`` occurs in ``seq`` (-1: nowhere)."""
+    n = len(sub)
+    for i in range(len(seq) - n, start - 1, -1):
+        if seq[i] == sub[0] and seq[i : i + n] == sub:
+            return i
+    return -1
+
+
 def carry_summary(fmt: ChatFormat, prompt: list[int], summary_prompt: list[int], summary_output: list[int]) -> tuple[list[int], bool]:
     """``prompt`` with the re-tokenized summary replaced by its sampled ids (unchanged, False,
-    when the summary's text is not found verbatim in the prompt)."""
+    when the summary's text is not found verbatim in the prompt).
+
+    The summary's first and last tokens may merge with the text around it when re-tokenized in
+    the restarted prompt (``.`` + ``\n`` is one token), so the summary is found by its inner
+    tokens, and the few characters around it in the tokens replaced are re-encoded on their
+    own: the prompt's text is unchanged, only the summary's ids are the sampled ones."""
     found = summary_content_ids(fmt, summary_prompt, summary_output)
     if found is None:
         return prompt, False
     text, sampled = found
-    enc = fmt.tokenizer.encode(text, add_special_tokens=False)
+    tok = fmt.tokenizer
+    enc = tok.encode(text, add_special_tokens=False)
     n = len(enc)
-    if not n:
+    if n < 3:
+        at = _rfind(prompt, enc) if n else -1
+        return (prompt[:at] + sampled + prompt[at + n :], True) if at >= 0 else (prompt, False)
+    k = min(8, n - 2)
+    head = _rfind(prompt, enc[1 : 1 + k])
+    tail = _rfind(prompt, enc[n - 1 - k : n - 1], head) if head >= 0 else -1
+    if tail < 0:
         return prompt, False
-    for i in range(len(prompt) - n, -1, -1):  # the summary sits late in the restarted prompt
-        if prompt[i] == enc[0] and prompt[i : i + n] == enc:
-            return prompt[:i] + sampled + prompt[i + n :], True
-    return prompt, False
+    s, e = max(0, head - 1), min(len(prompt), tail + k + 1)
+    piece = tok.decode(prompt[s:e], skip_special_tokens=False)
+    at = piece.find(text)
+    if at < 0:
+        return prompt, False
+    before, after = piece[:at], piece[at + len(text) :]
+    new = tok.encode(before, add_special_tokens=False) + sampled + tok.encode(after, add_special_tokens=False)
+    if tok.decode(new, skip_special_tokens=False) != piece:
+        return prompt, False
+    return prompt[:s] + new + prompt[e:], True
 
 
 def _place(ids, messages, spec, *, base: int = 0) -> tuple[ImageRef, ...]:

@@ -323,8 +323,8 @@ class TurnTable:
         with self.db.read() as c:
             row = c.execute(
                 "SELECT t.turn_id FROM turns t JOIN samplings sm ON sm.id = t.sampling_id "
-                "WHERE t.session_id = ? AND sm.json LIKE '%\"compaction\":\"summary\"%' ORDER BY t.idx DESC LIMIT 1",
-                (session_id,),
+                "WHERE t.session_id = ? AND instr(sm.json, ?) > 0 ORDER BY t.idx DESC LIMIT 1",
+                (session_id, b'"compaction":"summary"'),
             ).fetchone()
         return None if row is None else row[0]
 
