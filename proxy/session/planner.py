@@ -22,7 +22,7 @@ turn and counted. Any other difference still forks. Committed turns of such requ
 found by edit-tolerant fingerprints.
 
 Compaction (proxy.session.roles): the summarisation request of a compaction continues the
-history it summarises under either policy, whatever it did to the tool list or the system text;
+history it summarises whatever it did to the tool list (and, under ``keep``, the system text);
 a history restarted from a summary is a new segment whose parent is the summary turn, and the
 summary's text in its prompt is replaced by the ids the model sampled for it.
 

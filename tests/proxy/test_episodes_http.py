@@ -209,6 +209,51 @@ def test_claude_code_episode(model_dir, tmp_path):
         stop()
 
 
+def test_claude_code_2_1_330_episode(model_dir, tmp_path):
+    """Claude Code 2.1.330: no title request; the system text edited at ``--continue``; its
+    compaction keeps the main system prompt and tools (cache reuse) and ends with the summary
+    instruction; the restart formats the summary behind "Summary:"."""
+    script = [BASH_CALL, "Two files: a.txt and b.txt.", "Counted: 2.", CC_SUMMARY, "Continuing: 2 files."]
+    url, fmt, stop = _proxy(model_dir, tmp_path, script)
+    sid = "5d1c2a7e-claude-330"
+    c = httpx.Client(base_url=url, timeout=60, headers={"X-Claude-Code-Session-Id": sid})
+    try:
+
+        def post(body):
+            r = c.post("/v1/messages", json={"model": "claude-sonnet-4-5", "max_tokens": 256, **body})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        tools = [_bash("Claude"), TASK]
+        hist = [{"role": "user", "content": "list the files"}]
+        r1 = post({"system": _system(CC_SYSTEM.format(model="a")), "tools": tools, "messages": hist})
+        tu = r1["content"][-1]
+        hist += [{"role": "assistant", "content": r1["content"]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tu["id"], "content": "a.txt\nb.txt"}]}]  # fmt: skip
+        r2 = post({"system": _system(CC_SYSTEM.format(model="a")), "tools": tools, "messages": hist})
+        hist += [{"role": "assistant", "content": r2["content"]}, {"role": "user", "content": "count them"}]
+        edited = _system(CC_SYSTEM.format(model="b"))
+        r3 = post({"system": edited, "tools": tools, "messages": hist})
+        assert r3["splice"]["spliced"] and r3["splice"]["history_edits"] == ["system_text"]
+        hist.append({"role": "assistant", "content": r3["content"]})
+        summ = post({"system": edited, "tools": tools, "messages": hist + [
+            {"role": "user", "content": "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.\n\nYour task is to create a detailed summary of the conversation so far."}]})  # fmt: skip
+        assert summ["splice"]["spliced"] and summ["splice"]["history_edits"] == []
+        post({"system": edited, "tools": tools, "messages": [
+            {"role": "user", "content": "This session is being continued from a previous conversation that ran out of context. "
+                                        f"The conversation is summarized below:\nSummary:\n{summ['content'][0]['text']}"}]})  # fmt: skip
+        turns = c.get(f"/v1/sessions/{sid}").json()["turns"]
+        assert [t["role"] for t in turns] == ["main"] * 4 + ["compacted"]
+        assert [t["spliced"] for t in turns] == [False, True, True, True, False] and all(t["fork_reason"] is None for t in turns)
+        assert turns[4]["parent_turn_id"] == turns[3]["turn_id"] and turns[4]["requested_sampling"]["summary_ids"] == "carried"
+        c.post(f"/v1/sessions/{sid}/reward", json={"reward": 0.0})
+        samples = c.post("/v1/trajectories/pull", json={"max_samples": 64}).json()["samples"]
+        assert [(x["role"], len(x["turn_ids"])) for x in samples] == [("main", 4), ("compacted", 1)]
+    finally:
+        c.close()
+        stop()
+
+
 def test_train_auxiliary_hands_side_calls_out(model_dir, tmp_path):
     """``--train-auxiliary``: the title request is a sample of its own (same episode reward)."""
     url, _fmt, stop = _proxy(model_dir, tmp_path, CLAUDE_SCRIPT, train_auxiliary=True)
