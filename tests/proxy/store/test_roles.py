@@ -60,3 +60,17 @@ def test_a_sample_per_segment_and_no_auxiliary_by_default(tmp_path):
     assert all(t.role == x.role for x in samples for t in x.turns)
     assert [x.role for x in with_aux] == ["auxiliary", "main", "subagent", "compacted"]
     assert with_aux[0].header()["role"] == "auxiliary" and with_aux[0].trainable
+
+
+def test_the_pull_leaves_side_calls_out_unless_they_are_all_the_episode_has(tmp_path):
+    with Store(str(tmp_path / "s.sqlite")) as s:
+        for sid in ("with-main", "only-aux"):
+            s.sessions.upsert(sid)
+        s.turns.add(_with_role(build_turn("with-main", 0, [9, 9], [8]), "auxiliary"))
+        s.turns.add(build_turn("with-main", 1, [1, 2], [3]))
+        # a structured-output task without tools: every call looks like a side call
+        s.turns.add(_with_role(build_turn("only-aux", 0, [5, 6], [7]), "auxiliary"))
+        s.sessions.set_reward("with-main", 1.0)
+        s.sessions.set_reward("only-aux", 0.0)
+        _lease, samples = s.pool.pull(64, 60.0)
+    assert sorted((x["session_id"], x["role"]) for x in samples) == [("only-aux", "auxiliary"), ("with-main", "main")]
