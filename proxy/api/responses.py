@@ -225,7 +225,7 @@ def input_to_messages(
             if not isinstance(output, (dict, list)):
                 raise bad_request(f"{where} (computer_call_output) needs an 'output' screenshot", code="missing_required_parameter", param=f"{where}.output")
             out.append(message_of("tool", output if isinstance(output, list) else [output], f"{where}.output", images=images, tool_call_id=cid))
-        elif typ == "compaction":  # a compaction Splice answered earlier: its summary (responses_compact)
+        elif typ in compact.ITEM_TYPES:  # a compaction Splice answered earlier: its summary (responses_compact)
             flush()
             out.append(compact.expand(item, where)[0])
         elif typ == "item_reference":

@@ -36,6 +36,7 @@ from .jsonio import dumps
 from .output import splice_info, usage_of
 
 HANDLE_PREFIX = "splice.cmp.v1."
+ITEM_TYPES = ("compaction", "compaction_summary")  # what Codex sends a compaction back as (the second, older)
 # The instruction the summary turn answers; it starts with the phrase Splice (and Codex's own
 # inline compaction) marks a summarisation request by (proxy.session.roles.SUMMARY_REQUEST_MARKERS).
 SUMMARY_INSTRUCTION = (
@@ -104,7 +105,7 @@ def compacted_from(items: Any) -> str | None:
     found = None
     if isinstance(items, list):
         for i, it in enumerate(items):
-            if isinstance(it, dict) and it.get("type") == "compaction":
+            if isinstance(it, dict) and it.get("type") in ITEM_TYPES:
                 found = read_handle(it.get("encrypted_content"), f"input[{i}]")[0]
     return found
 
