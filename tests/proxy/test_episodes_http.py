@@ -17,8 +17,13 @@ import socket
 import threading
 import time
 
+from pathlib import Path
+
 import httpx
 import pytest
+from jsonschema import Draft202012Validator
+
+SAMPLE_SCHEMA = json.loads((Path(__file__).parents[2] / "proxy" / "schemas" / "sample.schema.json").read_text())
 
 
 BASH_CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call>'
@@ -196,6 +201,7 @@ def test_claude_code_episode(model_dir, tmp_path):
 
         assert c.post(f"/v1/sessions/{sid}/reward", json={"reward": 1.0}).status_code == 200
         pulled = c.post("/v1/trajectories/pull", json={"max_samples": 64}).json()
+        Draft202012Validator(SAMPLE_SCHEMA).validate(pulled)  # proxy/schemas/sample.schema.json, version 3
         samples = pulled["samples"]
         assert sorted(x["role"] for x in samples) == ["compacted", "main", "subagent"]
         assert all(x["trainable"] and x["reward"] == 1.0 for x in samples)
