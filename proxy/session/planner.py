@@ -245,7 +245,9 @@ def _restart(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, fork) -> Pla
         summary = lookup.latest_summary(session)
     p = fork(session, summary, None)
     if summary is not None and (ids := lookup.turn_ids(summary)) is not None:
-        p.prompt_ids, carried = carry_summary(fmt, p.prompt_ids, *ids)
+        carried = False
+        if not p.images:  # image offsets were placed on the rendered ids; leave those prompts as rendered
+            p.prompt_ids, carried = carry_summary(fmt, p.prompt_ids, *ids)
         p.summary_ids = "carried" if carried else "retokenized"
     return p
 
