@@ -7,7 +7,9 @@ system message in front. ``previous_response_id`` prepends the stored conversati
 response (its input and its output, not its instructions, as OpenAI does).
 
 Output follows OpenAI's Response object (built from the turn's parse of the sampled ids,
-and stored with the turn in one transaction); streaming is ``responses_stream``.
+and stored with the turn in one transaction); streaming is ``responses_stream``. Remote
+compaction (``POST /v1/responses/compact``, a ``compaction_trigger`` input item, ``compaction``
+items sent back) is ``responses_compact``.
 """
 
 from __future__ import annotations
