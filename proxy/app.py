@@ -41,6 +41,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     """Build the proxy app around an engine pool and a chat format (the CLI builds those)."""
     metrics = Metrics()
     store = store or Store(settings.store)
+    store.pool.train_auxiliary = settings.train_auxiliary
     sampling = SamplingPolicy(
         mode=settings.sampling, temperature=settings.temperature, max_context=settings.max_context,
         default_max_tokens=settings.max_output_tokens,

@@ -30,6 +30,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--history-edits", choices=["fork", "keep"],
                    help="a replayed history edited only in system/developer text or earlier tool arguments: fork (default) "
                         "or keep (continue the recorded tokens; the edit is recorded). Per request: X-Splice-History-Edits")
+    p.add_argument("--train-auxiliary", action="store_true", default=None,
+                   help="hand harness side calls (titles, topics, quota probes: role auxiliary) to the trainer as samples of their own")
     p.add_argument("--sampling", choices=["trainable", "honor"])
     p.add_argument("--drift-check", choices=["all", "sampled", "off"])
     p.add_argument("--temperature", type=float)

@@ -23,6 +23,7 @@ class Metrics:
         self.tokens_in = Counter("splice_prompt_tokens", "Prompt tokens sent to engines", registry=r)
         self.tokens_out = Counter("splice_output_tokens", "Tokens generated", registry=r)
         self.turns = Counter("splice_turns", "Finished turns by api", ["api"], registry=r)
+        self.roles = Counter("splice_turn_roles", "Finished turns by episode role (main, auxiliary, subagent, compacted)", ["role"], registry=r)
         self.spliced = Counter("splice_spliced_turns", "Turns whose prompt was spliced from verbatim ids", registry=r)
         self.forks = Counter("splice_forks", "Turns rendered in full, by reason", ["reason"], registry=r)
         self.history_edits = Counter(

@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     # earlier tool-call arguments: "fork" renders it in full (a new sample), "keep" continues the
     # recorded tokens and records the edit. A request's X-Splice-History-Edits header overrides it.
     history_edits: Literal["fork", "keep"] = "fork"
+    # Harness side calls (titles, topics, quota probes: role "auxiliary", proxy.session.roles) are
+    # recorded but handed to the trainer only with this on, as samples of their own.
+    train_auxiliary: bool = False
     sampling: Literal["trainable", "honor"] = "trainable"
     # Counting the drift a full re-render would have caused costs a full render per checked turn
     # (off the hot path, but CPU): "sampled" inherits a parent's drift and renders turns 0-7 and

@@ -1,9 +1,13 @@
-"""GRPO advantages: each session's reward relative to the other sessions of its group.
+"""GRPO advantages: each episode's reward relative to the other episodes of its group.
 
-The unit is the *session*, not the sample: one session can yield several samples (a fork starts
-a new one, docs/design.md section 5), and all of them carry the session's reward. Normalizing over samples
-would let a session that forked often pull the group baseline towards itself, so the group
-statistics are taken over distinct sessions and every sample gets its session's advantage.
+The unit is the *episode* (one session), not the sample: one episode can yield several samples
+(its main conversation, a sub-agent's, the continuation after a compaction, a fork; docs/samples.md,
+"Episode roles"), and all of them carry the episode's reward. Normalizing over samples would let
+an episode with many samples pull the group baseline towards itself, so the group statistics are
+taken over distinct episodes and every sample gets its episode's advantage.
+
+How much each sample then weighs in the loss is ``episode_loss_weights`` (``token``: every loss
+token once, the plain token mean; ``episode``: every episode once; ``sample``: every sample once).
 
 Samples without a ``group_id`` are pooled into one batch-level group, so their baseline is the
 batch mean (a group of one would always get advantage 0).
@@ -16,6 +20,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 _UNGROUPED = object()
@@ -55,6 +60,38 @@ def group_advantages(
             a = r - mean
             session_adv[sid] = a / (std + eps) if normalize_std else a
     return [session_adv[s["session_id"]] for s in samples]
+
+
+LOSS_AGGREGATIONS = ("token", "episode", "sample")
+
+
+def episode_loss_weights(samples: Sequence[dict[str, Any]], mode: str = "token") -> list[float]:
+    """One weight per sample, to multiply its per-token loss terms before the batch's token mean.
+
+    With ``T`` loss tokens in the batch (``loss_mask`` 1), ``E`` episodes and ``S`` samples, a
+    sample of episode ``e`` holding ``T_e`` of them (``T_s`` its own) gets
+
+    - ``token``: 1 (every loss token counts once: an episode weighs by its token count);
+    - ``episode``: ``T / (E * T_e)`` (the loss is the mean over episodes of each episode's token
+      mean: an episode of three samples weighs what an episode of one does);
+    - ``sample``: ``T / (S * T_s)`` (the mean over samples of each sample's token mean).
+
+    The weighted token mean then equals the stated mean; a sample with no loss token gets 0.
+    """
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
+    tokens = [int(np.count_nonzero(np.asarray(s["loss_mask"]))) for s in samples]
+    if mode == "token":
+        return [1.0 if t else 0.0 for t in tokens]
+    total = sum(tokens)
+    if mode == "sample":
+        n = sum(1 for t in tokens if t)
+        return [total / (n * t) if t else 0.0 for t in tokens]
+    per_episode: dict[Any, int] = {}
+    for s, t in zip(samples, tokens):
+        per_episode[s["session_id"]] = per_episode.get(s["session_id"], 0) + t
+    n = sum(1 for t in per_episode.values() if t)
+    return [total / (n * per_episode[s["session_id"]]) if t else 0.0 for s, t in zip(samples, tokens)]
 
 
 def token_advantages(advantage: float, length: int) -> torch.Tensor:

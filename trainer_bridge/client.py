@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-SCHEMA_VERSION = 2  # the sample schema this trainer reads (proxy/schemas/sample.schema.json)
+SCHEMA_VERSION = 3  # the sample schema this trainer reads (proxy/schemas/sample.schema.json)
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 TOKEN_ARRAYS = ("input_ids", "loss_mask", "logprobs", "versions", "proximal_logprobs_t", "proximal_versions")
 

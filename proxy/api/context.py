@@ -14,6 +14,7 @@ from tokenization import ChatFormat
 
 from ..errors import bad_request
 from ..ids import control_character, new_turn_id, turn_id_from
+from ..session.roles import ROLES
 from ..session.turn import TurnRequest
 
 
@@ -115,6 +116,11 @@ def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[
         policy = policy.strip().lower()
         if policy not in ("fork", "keep"):
             raise bad_request(f"X-Splice-History-Edits must be 'fork' or 'keep', got {policy!r}", code="invalid_value", param="X-Splice-History-Edits")
+    role = headers.get("x-splice-role") if headers is not None else None
+    if role is not None:
+        role = role.strip().lower()
+        if role not in ROLES:
+            raise bad_request(f"X-Splice-Role must be one of {', '.join(ROLES)}, got {role!r}", code="invalid_value", param="X-Splice-Role")
     return TurnRequest(
         api=api,
         messages=messages,
@@ -135,6 +141,7 @@ def turn_request(api, req, headers, *, model: str, messages, tools, hints: list[
         tools_not_offered=list(not_offered or ()),
         controls_not_enforced={k: v for k, v in (controls or {}).items() if v is not None},
         history_edits_policy=policy,
+        role=role or None,
     )
 
 

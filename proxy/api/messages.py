@@ -229,7 +229,11 @@ def messages_controls(req: MessagesRequest) -> dict[str, Any]:
     whether the model thinks is the chat template's (``chat_template_kwargs`` sets it)."""
     tc = req.tool_choice or {}
     thinking = req.thinking if req.thinking and req.thinking.get("type") in ("enabled", "disabled") else None
+    extra = req.model_extra or {}
+    out_cfg = extra.get("output_config")
+    out_fmt = out_cfg.get("format") if isinstance(out_cfg, dict) else extra.get("output_format")
     return {
+        "output_config.format": out_fmt if isinstance(out_fmt, dict) and out_fmt.get("type") not in (None, "text") else None,
         "tool_choice": tc if tc.get("type") in ("any", "tool", "none") else None,
         "disable_parallel_tool_use": True if tc.get("disable_parallel_tool_use") else None,
         "top_k": req.top_k,

@@ -7,7 +7,9 @@ system message in front. ``previous_response_id`` prepends the stored conversati
 response (its input and its output, not its instructions, as OpenAI does).
 
 Output follows OpenAI's Response object (built from the turn's parse of the sampled ids,
-and stored with the turn in one transaction); streaming is ``responses_stream``.
+and stored with the turn in one transaction); streaming is ``responses_stream``. Remote
+compaction (``POST /v1/responses/compact``, a ``compaction_trigger`` input item, ``compaction``
+items sent back) is ``responses_compact``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, va
 from .models import ResponsesRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
 from .streaming import TurnStream, run_turn, streaming_response
+from . import responses_compact as compact
 
 # ============================================================================ stored conversations
 
@@ -224,12 +227,15 @@ def input_to_messages(
             if not isinstance(output, (dict, list)):
                 raise bad_request(f"{where} (computer_call_output) needs an 'output' screenshot", code="missing_required_parameter", param=f"{where}.output")
             out.append(message_of("tool", output if isinstance(output, list) else [output], f"{where}.output", images=images, tool_call_id=cid))
+        elif typ in compact.ITEM_TYPES:  # a compaction Splice answered earlier: its summary (responses_compact)
+            flush()
+            out.append(compact.expand(item, where)[0])
         elif typ == "item_reference":
             raise bad_request(f"{where}: unresolved item_reference", code="invalid_value", param=where)
         else:
             raise bad_request(
                 f"{where} has type {typ!r}, which Splice does not support (supported: message, reasoning, "
-                "function_call, function_call_output, computer_call_output, item_reference)",
+                "function_call, function_call_output, computer_call_output, item_reference, compaction, compaction_trigger)",
                 code="unsupported_input_item",
                 param=where,
             )
@@ -291,6 +297,7 @@ class ResponsesContext(DialectContext):
     tools_echo: list[dict[str, Any]]
     created_at: float = field(default_factory=time.time)
     toolset: ToolSet = field(default_factory=ToolSet)
+    compaction_trigger: bool = False  # the input ended with a compaction_trigger item (responses_compact)
 
     def present(self, result: TurnResult) -> Presentation:
         return present_response(self, result)
@@ -305,6 +312,7 @@ def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: Resp
     items = req.input
     if isinstance(items, list):
         items = resolve_item_references(store, items)
+    items, trigger = compact.split_trigger(items)
     msgs, ids = input_to_messages(items, ts, images)
     prev: list[Message] = []
     hints: list[str] = []
@@ -317,11 +325,15 @@ def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: Resp
     messages = ([Message(role="system", content=req.instructions)] if req.instructions else []) + history
     if not messages:
         raise bad_request("'input' is empty: nothing to respond to", code="invalid_value", param="input")
+    if trigger:  # the summary turn of a compaction: the history plus the instruction, no tools offered
+        messages, tools = compact.summary_messages(messages), []
     treq = turn_request(
         "responses", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=hints, stop=[],
         max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=responses_controls(req),
     )
-    ctx = ResponsesContext(req=req, turn=treq, history=history, tools_echo=echo, fmt=runner.fmt, toolset=ts)
+    treq.compacted_from = compact.compacted_from(items)
+    ctx = ResponsesContext(req=req, turn=treq, history=history, tools_echo=echo, fmt=runner.fmt, toolset=ts,
+                           compaction_trigger=trigger)  # fmt: skip
     treq.present = ctx.present
     return ctx
 
@@ -460,6 +472,9 @@ def build_output(turn_id: str, result: TurnResult, logprobs: list | None = None,
 
 def present_response(ctx: ResponsesContext, result: TurnResult) -> Presentation:
     """The final Response object, and the conversation ``previous_response_id`` expands to."""
+    if ctx.compaction_trigger:  # exactly one output item: the compaction (no conversation to chain onto)
+        body = finish_response(response_skeleton(ctx, result.turn_id), ctx, result, [compact.compaction_item(result)])
+        return Presentation(body=body, encoded=dumps(body))
     lp = token_logprobs(ctx.fmt, result) if wants_logprobs(ctx.req) else None
     body = finish_response(response_skeleton(ctx, result.turn_id), ctx, result, build_output(result.turn_id, result, lp, ctx.toolset))
     conversation = None if ctx.req.store is False else messages_to_json(ctx.history + [returned_message(result)])
@@ -467,6 +482,11 @@ def present_response(ctx: ResponsesContext, result: TurnResult) -> Presentation:
 
 
 # ============================================================================ router
+
+
+async def _iterate(frames: list[bytes]):
+    for f in frames:
+        yield f
 
 
 def responses_router(runner: TurnRunner, store: ResponseReader, images: ImageInput | None = None) -> APIRouter:
@@ -481,12 +501,18 @@ def responses_router(runner: TurnRunner, store: ResponseReader, images: ImageInp
         body = parse_json_body(await request.body())
         req_images = await images.prepare(body) if images is not None else None
         ctx = build(build_context, body, request.headers, runner, store, req_images)
+        if ctx.compaction_trigger and ctx.req.stream:  # one item, known once the summary is done
+            result = await run_turn(runner, ctx.turn, request)
+            frames = compact.trigger_events(response_skeleton(ctx, result.turn_id), result.body)
+            return streaming_response(_iterate(frames), headers=splice_headers(result))
         if not ctx.req.stream:
             result = await run_turn(runner, ctx.turn, request)
             return JSONResponse(result.encoded, headers=splice_headers(result))
         stream = TurnStream(runner, ctx.turn)
         await stream.start(request)  # errors before the first token are plain HTTP errors
         return streaming_response(stream_response(ctx, stream), headers=stream.headers(), turn=stream)
+
+    compact.register(router, runner, store, images, build_context)
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):

@@ -14,10 +14,17 @@ fork with a reason:
 
 With the ``keep`` history-edits policy (``splice serve --history-edits keep`` or the request's
 ``X-Splice-History-Edits: keep``), a history that differs from a recorded turn's only in system /
-developer text or in earlier tool-call arguments (reasoning never counts) continues that turn's
+developer text, in earlier tool-call arguments or in the tool definitions offered (descriptions,
+parameter schemas, tools added or removed; reasoning never counts) continues that turn's
 recorded tokens instead: the engine sees what was recorded, and the plan names the edits
-(``history_edits``) so they are recorded with the turn and counted. Any other difference still
-forks. Committed turns of such requests are also found by edit-tolerant fingerprints.
+(``history_edits``: ``system_text``, ``tool_arguments``, ``tools``) so they are recorded with the
+turn and counted. Any other difference still forks. Committed turns of such requests are also
+found by edit-tolerant fingerprints.
+
+Compaction (proxy.session.roles): the summarisation request of a compaction continues the
+history it summarises whatever it did to the tool list (and, under ``keep``, the system text);
+a history restarted from a summary is a new segment whose parent is the summary turn, and the
+summary's text in its prompt is replaced by the ids the model sampled for it.
 
 A header-less request is matched by fingerprints of its history. Several recorded turns can
 match (the sessions of a GRPO group that sampled the same answer): a turn nobody continues yet
@@ -40,6 +47,7 @@ from tokenization.vision import ImageError
 
 from ..store.images import ImageRef
 from .images import place
+from .roles import compaction_kind
 from .turn import TurnRequest
 
 
@@ -68,6 +76,9 @@ class TurnLookup(Protocol):
     def claimed(self, turn_id: str) -> bool:
         """Whether a turn in flight right now already continues ``turn_id``."""
 
+    def latest_summary(self, session_id: str) -> str | None:
+        """The session's latest compaction summary turn (None: none)."""
+
 
 @dataclass
 class Plan:
@@ -87,6 +98,7 @@ class Plan:
     history_edits: tuple[str, ...] = ()  # edits continued under the ``keep`` policy (system_text, tool_arguments)
     images: tuple[ImageRef, ...] = ()  # every image in ``prompt_ids``, in order
     request_images: dict = field(default_factory=dict)  # hash -> the request's decoded image (runner)
+    summary_ids: str | None = None  # a compaction restart: "carried" (the summary's sampled ids) or "retokenized"
 
 
 def fingerprint_keys(hashed: HistoryHash, req: TurnRequest) -> tuple[str, str, str]:
@@ -104,10 +116,16 @@ def digest(key: str, session_id: str | None = None) -> bytes:
 
 
 def edit_keys(hashed: HistoryHash, req: TurnRequest) -> list[tuple[tuple[str, ...], str]]:
-    """Edit-tolerant fingerprints (``keep`` policy): tools and template kwargs must still match."""
+    """Edit-tolerant fingerprints (``keep`` policy): first with the same tools, then with any
+    tools (the edit ``tools``); template kwargs must still match."""
     tools = tools_fingerprint(req.tools)
     kwargs = repr(sorted((req.chat_template_kwargs or {}).items()))
-    return [(names, f"e:{'+'.join(names)}:{tools}:{kwargs}:{h}") for names, h in hashed.edit_hexdigests()]
+    forms = hashed.edit_hexdigests()
+    if not forms:
+        return []
+    same = [(names, f"e:{'+'.join(names)}:{tools}:{kwargs}:{h}") for names, h in forms]
+    anytools = [((*names, "tools"), f"e:{'+'.join(names)}:*:{kwargs}:{h}") for names, h in [((), hashed.hexdigest()), *forms]]
+    return same + anytools
 
 
 def answer_fingerprints(hashed: HistoryHash, req: TurnRequest, answer: Message, session_id: str) -> list[bytes]:
@@ -119,7 +137,7 @@ def answer_fingerprints(hashed: HistoryHash, req: TurnRequest, answer: Message, 
 
 
 def keeps_edits(req: TurnRequest) -> bool:
-    return req.history_edits_policy == "keep"
+    return req.history_edits_policy == "keep" or req.compaction == "summary"
 
 
 def new_session_id() -> str:
@@ -133,6 +151,7 @@ class RenderError(Exception):
 def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat) -> Plan:
     """Splice onto the recorded turn the request continues, or render in full (see module doc)."""
     last_asst = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=-1)
+    req.compaction = "restart" if req.compacted_from and last_asst < 0 else compaction_kind(req.messages)
     hh = HistoryHash(edits=keeps_edits(req)).extend(req.messages[: last_asst + 1])
     p = _plan(req, lookup, fmt, last_asst, hh)
     p.history_hash, p.hashed = hh, last_asst + 1
@@ -173,10 +192,14 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
         return Plan(session_id or new_session_id(), ids, parent, False, reason, new_session=session_id is None,
                     render_s=time.perf_counter() - t0, images=images, **kw)  # fmt: skip
 
+    if last_asst < 0 and req.compaction == "restart":
+        return _restart(req, lookup, fmt, fork)
     if last_asst < 0:  # a first turn (or a fresh attempt in an explicit session)
         return fork(explicit, None, None)
     found, reason, ambiguous = _find(fingerprint_keys(hh, req), req, lookup)
     edits: tuple[str, ...] = ()
+    if reason == "tools_changed" and keeps_edits(req):  # the tool list is not what keep / a compaction forks on
+        reason, edits = None, ("tools",)
     if found is None and hh.edits:
         for names, key in edit_keys(hh, req):
             found, ambiguous = _choose(lookup.candidates(digest(key, req.session_id)), lookup, req.parent_hint)
@@ -211,6 +234,96 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
         images = lookup.turn_images(found.turn_id) + _place(res.ids, msgs[last_asst + 1 :], spec, base=base)
     return Plan(session_id, prev_prompt + prev_output + res.ids, found.turn_id, True, None, ambiguous=ambiguous,
                 bridge_s=bridge_s, history_edits=edits, images=images)  # fmt: skip
+
+
+def _restart(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, fork) -> Plan:
+    """A history restarted from a compaction summary: rendered in full, its parent the summary
+    turn, the summary's text in the prompt replaced by the ids the model sampled for it."""
+    summary = req.compacted_from
+    session = req.session_id or (lookup.session_of(summary) if summary else None)
+    if summary is None and session is not None and lookup.session_exists(session):
+        summary = lookup.latest_summary(session)
+    p = fork(session, summary, None)
+    if summary is not None and (ids := lookup.turn_ids(summary)) is not None:
+        carried = False
+        if not p.images:  # image offsets were placed on the rendered ids; leave those prompts as rendered
+            p.prompt_ids, carried = carry_summary(fmt, p.prompt_ids, *ids)
+        p.summary_ids = "carried" if carried else "retokenized"
+    return p
+
+
+def summary_content_ids(fmt: ChatFormat, prompt: list[int], output: list[int]) -> tuple[str, list[int]] | None:
+    """The summary turn's answer text and the output ids that spell it (reasoning and the stop
+    token left out), or None when no output span decodes to the answer."""
+    parsed = fmt.parse(output, prompt_ids=prompt, tools=[], finish_reason="stop")
+    text = (parsed.content or "").strip()
+    if not text:
+        return None
+    tok = fmt.tokenizer
+    stops = set(fmt.stop_token_ids)
+    end = len(output)
+    while end and output[end - 1] in stops:
+        end -= 1
+    def tail(start: int) -> str:
+        return tok.decode(output[start:end], skip_special_tokens=False).strip()
+
+    # The answer is a suffix of the output (after any reasoning); decoded suffixes only get
+    # shorter as the start moves right, so a binary search finds the longest start that still
+    # holds all of it (O(log n) decodes).
+    lo, hi = 0, end
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tail(mid)) >= len(text):
+            lo = mid
+        else:
+            hi = mid - 1
+    if tail(lo) != text:
+        return None
+    return text, list(output[lo:end])
+
+
+def _rfind(seq: list[int], sub: list[int], start: int = 0) -> int:
+    """The last index >= ``start`` where ``sub`` occurs in ``seq`` (-1: nowhere)."""
+    n = len(sub)
+    for i in range(len(seq) - n, start - 1, -1):
+        if seq[i] == sub[0] and seq[i : i + n] == sub:
+            return i
+    return -1
+
+
+def carry_summary(fmt: ChatFormat, prompt: list[int], summary_prompt: list[int], summary_output: list[int]) -> tuple[list[int], bool]:
+    """``prompt`` with the re-tokenized summary replaced by its sampled ids (unchanged, False,
+    when the summary's text is not found verbatim in the prompt).
+
+    The summary's first and last tokens may merge with the text around it when re-tokenized in
+    the restarted prompt (``.`` + ``\n`` is one token), so the summary is found by its inner
+    tokens, and the few characters around it in the tokens replaced are re-encoded on their
+    own: the prompt's text is unchanged, only the summary's ids are the sampled ones."""
+    found = summary_content_ids(fmt, summary_prompt, summary_output)
+    if found is None:
+        return prompt, False
+    text, sampled = found
+    tok = fmt.tokenizer
+    enc = tok.encode(text, add_special_tokens=False)
+    n = len(enc)
+    if n < 3:
+        at = _rfind(prompt, enc) if n else -1
+        return (prompt[:at] + sampled + prompt[at + n :], True) if at >= 0 else (prompt, False)
+    k = min(8, n - 2)
+    head = _rfind(prompt, enc[1 : 1 + k])
+    tail = _rfind(prompt, enc[n - 1 - k : n - 1], head) if head >= 0 else -1
+    if tail < 0:
+        return prompt, False
+    s, e = max(0, head - 1), min(len(prompt), tail + k + 1)
+    piece = tok.decode(prompt[s:e], skip_special_tokens=False)
+    at = piece.find(text)
+    if at < 0:
+        return prompt, False
+    before, after = piece[:at], piece[at + len(text) :]
+    new = tok.encode(before, add_special_tokens=False) + sampled + tok.encode(after, add_special_tokens=False)
+    if tok.decode(new, skip_special_tokens=False) != piece:
+        return prompt, False
+    return prompt[:s] + new + prompt[e:], True
 
 
 def _place(ids, messages, spec, *, base: int = 0) -> tuple[ImageRef, ...]:

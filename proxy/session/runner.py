@@ -18,6 +18,7 @@ from ..ids import call_id, chat_completion_id, message_id, response_id
 from ..metrics import Metrics
 from ..store import Conflict, Store, StoredResponse, TurnRecord
 from .drift import DriftChecker
+from .episodes import EpisodeRoles
 from .images import as_stored, engine_images, request_images
 from .planner import Plan, RenderError, answer_fingerprints, plan
 from .recompute import Piggyback, RecomputeScheduler
@@ -75,6 +76,9 @@ class StoreLookup:
     def claimed(self, turn_id: str) -> bool:
         return turn_id in self.inflight_parents
 
+    def latest_summary(self, session_id: str):
+        return self.store.turns.latest_summary(session_id)
+
     def claim(self, turn_id: str | None) -> None:
         if turn_id is not None:
             self.inflight_parents[turn_id] = self.inflight_parents.get(turn_id, 0) + 1
@@ -109,6 +113,7 @@ class TurnRunner:
         self.model_name = model_name
         self.recompute = recompute  # R2: a session owing values gets them from its next turn's call
         self.lookup = StoreLookup(store)
+        self.roles = EpisodeRoles(store)  # main / auxiliary / subagent / compacted (proxy.session.roles)
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
         self._ambiguous_logged: set[str] = set()
@@ -157,6 +162,7 @@ class TurnRunner:
         if p.images:
             p.request_images = request_images(req.messages)
         req.history_edits = p.history_edits
+        self.roles.assign(req, p, p.new_session)
         session = None if p.new_session else self.store.sessions.get(p.session_id)  # read once per turn
         if session is not None and session.closed:
             raise APIError(409, f"session {p.session_id} already has a reward and is closed", code="session_closed")
@@ -269,6 +275,7 @@ class TurnRunner:
             fork_reason=p.fork_reason,
             created_at=time.time(),
             model=req.model or self.model_name,
+            role=req.role or "main",
         )
 
     def _commit(self, req: TurnRequest, p: Plan, result: TurnResult, known) -> None:
@@ -305,11 +312,12 @@ class TurnRunner:
             fork_reason=p.fork_reason,
             finish_reason=gen.finish_reason,
             created_at=result.created_at,
-            requested_sampling=self._record_sampling(req, gen),
+            requested_sampling=self._record_sampling(req, gen) | self.roles.record(req, p),
             drift=False,
             api=req.api,
             response_id=result.response_id,
             images=p.images,
+            role=req.role or "main",
         )
         new_images = [as_stored(p.request_images[r.hash]) for r in p.images
                       if r.hash in p.request_images and not self.store.images.is_known(r.hash)]  # fmt: skip
@@ -338,6 +346,7 @@ class TurnRunner:
     def _count(self, req: TurnRequest, p: Plan, gen: Generation, result: TurnResult) -> None:
         m = self.metrics
         m.turns.labels(req.api).inc()
+        m.roles.labels(req.role or "main").inc()
         m.tokens_in.inc(len(p.prompt_ids))
         m.tokens_out.inc(len(gen.output_ids))
         if p.images:

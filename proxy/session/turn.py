@@ -55,6 +55,10 @@ class TurnRequest:
     session_resolved: str | None = None  # set by the session layer once the turn is planned
     history_edits_policy: Literal["fork", "keep"] | None = None  # X-Splice-History-Edits; None: the server's
     history_edits: tuple[str, ...] = ()  # set by the session layer: edits continued under "keep"
+    role: str | None = None  # X-Splice-Role as declared; the session layer sets the role it recorded
+    role_reason: str | None = None  # why the session layer chose the role (proxy.session.roles)
+    compaction: str | None = None  # "summary" / "restart" when the call is part of a compaction (set by the planner)
+    compacted_from: str | None = None  # the summary turn a Splice compaction item named (Responses API)
 
 
 @dataclass
@@ -69,6 +73,7 @@ class TurnResult:
     fork_reason: str | None
     created_at: float
     model: str
+    role: str = "main"
     index: int = -1  # the turn's position in its session, known once committed
     body: dict[str, Any] | None = None  # the front end's presentation, as committed
     encoded: bytes | None = None  # ``body`` as JSON

@@ -41,6 +41,7 @@ TURN = pa.struct(
         ("temperature", pa.float64()),
         ("top_p", pa.float64()),
         ("top_k", pa.int32()),
+        ("role", pa.string()),
     ]
 )
 
@@ -61,6 +62,7 @@ SCHEMA = pa.schema(
         ("sample_id", pa.string()),
         ("session_id", pa.string()),
         ("group_id", pa.string()),
+        ("role", pa.string()),
         ("reward", pa.float64()),
         ("rewarded_at", pa.float64()),
         ("trainable", pa.bool_()),

@@ -36,6 +36,7 @@ class TrainingPool:
         self.db = db
         self.turns = turns
         self.clock = clock
+        self.train_auxiliary = False  # --train-auxiliary: harness side calls are handed out as samples too
 
     def pull(
         self, max_samples: int, lease_timeout_s: float, *, keep: Callable[[Sample], bool] | None = None
@@ -78,7 +79,7 @@ class TrainingPool:
                 count = dropped = 0
                 for session_id in unit.session_ids:
                     session = read_session(c, session_id)
-                    for sample in assemble_samples(session, self.turns.iter_tokens(c, session_id)):
+                    for sample in assemble_samples(session, self.turns.iter_tokens(c, session_id), train_auxiliary=self._auxiliary(c, session_id)):
                         if keep is None or keep(sample):
                             count += 1
                         else:
@@ -109,13 +110,21 @@ class TrainingPool:
             leases.create_lease(c, lease_id, taken, n_samples, now, lease_timeout_s)
         return Lease(lease_id, taken, n_samples, dropped)
 
+    def _auxiliary(self, c, session_id: str) -> bool:
+        """Whether the session's auxiliary turns are handed out: with --train-auxiliary, and in a
+        session that has nothing else (a task whose only calls look like side calls, e.g. a
+        structured-output answer without tools, is still an episode to learn from)."""
+        if self.train_auxiliary:
+            return True
+        return c.execute("SELECT 1 FROM turns WHERE session_id = ? AND role != 'auxiliary' LIMIT 1", (session_id,)).fetchone() is None
+
     def samples(self, session_ids: list[str], *, keep: Callable[[Sample], bool] | None = None) -> Iterator[Sample]:
         """The samples of ``session_ids``, one session at a time, each read from its own snapshot
         (those ``keep`` accepts, when given)."""
         for session_id in session_ids:
             with self.db.read(snapshot=True) as c:
                 session = read_session(c, session_id)
-                samples = assemble_samples(session, self.turns.iter_tokens(c, session_id)) if session is not None else []
+                samples = assemble_samples(session, self.turns.iter_tokens(c, session_id), train_auxiliary=self._auxiliary(c, session_id)) if session is not None else []
             yield from (s for s in samples if keep is None or keep(s))
 
     def rewarded(self, *, since: float | None = None, acked: bool = False, after: tuple[float, str] | None = None,

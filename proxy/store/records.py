@@ -60,6 +60,7 @@ class TurnRecord:
     response_id: str
     abandoned: bool = False  # the client went away before it was delivered: never trained on
     images: tuple = ()  # ImageRef of every image in the prompt, in prompt order (proxy.store.images)
+    role: str = "main"  # main | auxiliary | subagent | compacted (proxy.session.roles)
 
     @property
     def full_ids(self) -> list[int]:
@@ -106,4 +107,5 @@ class TurnRecord:
             "response_id": self.response_id,
             "abandoned": self.abandoned,
             "images": [r.to_dict() for r in self.images],
+            "role": self.role,
         }

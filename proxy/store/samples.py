@@ -22,7 +22,7 @@ from .records import SessionRecord, TurnRecord
 
 log = logging.getLogger(__name__)
 
-SAMPLE_SCHEMA_VERSION = 2  # bump on any change of the sample's shape (docs/samples.md)
+SAMPLE_SCHEMA_VERSION = 3  # bump on any change of the sample's shape (docs/samples.md)
 
 U8 = np.dtype("u1")
 # name -> dtype of every per-token array, in wire order
@@ -59,6 +59,7 @@ class TurnSpan:
     temperature: float | None  # what the engine sampled with (None: not recorded)
     top_p: float | None
     top_k: int | None  # -1: off
+    role: str = "main"  # main | auxiliary | subagent | compacted (proxy.session.roles)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class TurnTokens:
     requested_sampling: dict
     images: tuple = ()  # ImageRef of every image in the prompt (proxy.store.images)
     abandoned: bool = False
+    role: str = "main"
 
     @classmethod
     def of(cls, turn: "TurnRecord | TurnTokens") -> "TurnTokens":
@@ -95,7 +97,7 @@ class TurnTokens:
             proximal_versions=np.asarray(turn.proximal_versions, dtype=np.int64).astype(I32),
             spliced=turn.spliced, fork_reason=turn.fork_reason, finish_reason=turn.finish_reason,
             created_at=turn.created_at, requested_sampling=turn.requested_sampling or {}, abandoned=turn.abandoned,
-            images=tuple(turn.images),
+            images=tuple(turn.images), role=getattr(turn, "role", "main"),
         )  # fmt: skip
 
     def check(self) -> None:
@@ -124,7 +126,7 @@ class TurnTokens:
             length=int(self.output_ids.size), finish_reason=self.finish_reason, fork_reason=self.fork_reason,
             spliced=bool(self.spliced), created_at=float(self.created_at), model=rs.get("model"),
             engine_id=rs.get("engine_id"), temperature=used.get("temperature"), top_p=used.get("top_p"),
-            top_k=used.get("top_k"),
+            top_k=used.get("top_k"), role=self.role,
         )  # fmt: skip
 
 
@@ -150,6 +152,10 @@ class Sample:
     # Every image in ``input_ids`` (ImageRef: hash, offset of its first placeholder, count, grid);
     # its bytes come from ``GET /v1/images/{hash}``.
     images: list = field(default_factory=list)
+    # The episode segment it is (proxy.session.roles): the agent's conversation (``main``), one
+    # it runs inside the episode (``subagent``), its continuation after a compaction
+    # (``compacted``), or a harness side call (``auxiliary``, handed out only with --train-auxiliary).
+    role: str = "main"
 
     def __len__(self) -> int:
         return int(self.input_ids.size)
@@ -168,6 +174,7 @@ class Sample:
             "sample_id": self.sample_id,
             "session_id": self.session_id,
             "group_id": self.group_id,
+            "role": self.role,
             "reward": self.reward,
             "rewarded_at": self.rewarded_at,
             "trainable": self.trainable,
@@ -225,7 +232,8 @@ class _Plan:
         return int(self.ids.size)
 
 
-def assemble_samples(session: SessionRecord, turns: "Iterable[TurnRecord | TurnTokens]") -> list[Sample]:
+def assemble_samples(session: SessionRecord, turns: "Iterable[TurnRecord | TurnTokens]", *,
+                     train_auxiliary: bool = False) -> list[Sample]:
     """Merge turns into prefix-stable samples.
 
     Turns are taken in index order: a list is sorted here; any other iterable must already
@@ -236,15 +244,22 @@ def assemble_samples(session: SessionRecord, turns: "Iterable[TurnRecord | TurnT
     longest wins, because a shorter match is a stale prefix of a later rollback branch (seed
     002) and extending it would file sampled tokens as prompt. Otherwise the turn starts a new
     sample; earlier samples are never modified by a fork.
+
+    A turn only extends a sample of its own role (an episode's main conversation, a sub-agent's,
+    the continuation after a compaction), and every sample carries the role. Auxiliary turns
+    (harness side calls) are left out unless ``train_auxiliary``: then they are samples of
+    their own.
     """
     ordered = sorted(turns, key=lambda t: t.index) if isinstance(turns, (list, tuple)) else turns
     plans: list[_Plan] = []
     for turn in map(TurnTokens.of, ordered):
         if turn.abandoned:  # never delivered to its client: not a trajectory anyone acted on
             continue
+        if turn.role == "auxiliary" and not train_auxiliary:
+            continue
         turn.check()
         prompt = turn.prompt_ids
-        matches = [p for p in plans if len(p) <= prompt.size and np.array_equal(prompt[: len(p)], p.ids)]
+        matches = [p for p in plans if p.sample.role == turn.role and len(p) <= prompt.size and np.array_equal(prompt[: len(p)], p.ids)]
         if len(matches) > 1:
             log.warning(
                 "ambiguous prefix match in session %s turn %d (%s): %d of %d samples match "
@@ -266,6 +281,7 @@ def assemble_samples(session: SessionRecord, turns: "Iterable[TurnRecord | TurnT
                 group_id=session.group_id,
                 reward=session.reward,
                 rewarded_at=session.rewarded_at,
+                role=turn.role,
             )
             plan = _Plan(sample, np.empty(0, I32))
             plans.append(plan)

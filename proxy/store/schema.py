@@ -6,7 +6,7 @@ import sqlite3
 
 from .errors import StoreError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS turns (
     drift           INTEGER NOT NULL,
     api             TEXT NOT NULL,
     response_id     TEXT NOT NULL,
+    role            TEXT NOT NULL DEFAULT 'main',  -- main | auxiliary | subagent | compacted (docs/samples.md)
     UNIQUE (session_id, idx)
 );
 CREATE INDEX IF NOT EXISTS turns_parent ON turns(parent_turn_id) WHERE parent_turn_id IS NOT NULL;
@@ -145,7 +146,12 @@ def _v3_to_v4(c: sqlite3.Connection) -> None:
     """Image tables (created by the schema script); no existing row changes."""
 
 
-_MIGRATIONS = {2: _v2_to_v3, 3: _v3_to_v4}
+def _v4_to_v5(c: sqlite3.Connection) -> None:
+    """Episode roles: every turn recorded before roles existed was the agent's own (``main``)."""
+    c.execute("ALTER TABLE turns ADD COLUMN role TEXT NOT NULL DEFAULT 'main'")
+
+
+_MIGRATIONS = {2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
 
 
 class SchemaError(StoreError):

@@ -44,7 +44,7 @@ SELECT = (
     "SELECT t.seq, t.turn_id, t.session_id, t.idx, t.parent_turn_id, t.prompt_base, t.prompt_base_len, "
     "t.prompt_tail, t.n_output, t.output_ids, t.logprobs, t.versions, p.prox_logprobs, p.prox_versions, "
     "t.spliced, t.fork_reason, t.finish_reason, t.created_at, sm.json, t.drift, t.api, t.response_id, "
-    "EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq), ti.refs "
+    "EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq), ti.refs, t.role "
     "FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq JOIN samplings sm ON sm.id = t.sampling_id "
     "LEFT JOIN turn_images ti ON ti.turn_seq = t.seq "
 )
@@ -137,8 +137,8 @@ class TurnTable:
             cur = c.execute(
                 "INSERT INTO turns (turn_id, session_id, idx, parent_turn_id, prompt_base, prompt_base_len, "
                 "prompt_tail, n_prompt, n_output, output_ids, logprobs, versions, spliced, fork_reason, "
-                "finish_reason, created_at, sampling_id, drift, api, response_id) "
-                "VALUES (" + ",".join("?" * 20) + ")",
+                "finish_reason, created_at, sampling_id, drift, api, response_id, role) "
+                "VALUES (" + ",".join("?" * 21) + ")",
                 (
                     turn.turn_id,
                     turn.session_id,
@@ -160,6 +160,7 @@ class TurnTable:
                     int(turn.drift),
                     turn.api,
                     turn.response_id,
+                    turn.role,
                 ),
             )
             seq = cur.lastrowid
@@ -300,6 +301,32 @@ class TurnTable:
                 return None
             full = self._full_sequence(c, row[0])
             return full[: row[1]].tolist(), full[row[1] :].tolist()
+
+    def first_of_role(self, session_id: str, role: str) -> tuple[str, dict] | None:
+        """``(turn_id, requested_sampling)`` of the session's first turn of ``role``: what
+        classifying a new turn's role compares against (proxy.session.roles). No token arrays."""
+        with self.db.read() as c:
+            row = c.execute(
+                "SELECT t.turn_id, sm.json FROM turns t JOIN samplings sm ON sm.id = t.sampling_id "
+                "WHERE t.session_id = ? AND t.role = ? ORDER BY t.idx LIMIT 1",
+                (session_id, role),
+            ).fetchone()
+        return None if row is None else (row[0], orjson.loads(row[1]))
+
+    def role_of(self, turn_id: str) -> str | None:
+        with self.db.read() as c:
+            row = c.execute("SELECT role FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def latest_summary(self, session_id: str) -> str | None:
+        """The id of the session's latest compaction summary turn (``requested_sampling.compaction``)."""
+        with self.db.read() as c:
+            row = c.execute(
+                "SELECT t.turn_id FROM turns t JOIN samplings sm ON sm.id = t.sampling_id "
+                "WHERE t.session_id = ? AND instr(sm.json, ?) > 0 ORDER BY t.idx DESC LIMIT 1",
+                (session_id, b'"compaction":"summary"'),
+            ).fetchone()
+        return None if row is None else row[0]
 
     def list(self, session_id: str) -> list[TurnRecord]:
         """Every turn of the session in index order (empty for an unknown session)."""
@@ -482,14 +509,14 @@ def _tokens(row, prompt: np.ndarray) -> TurnTokens:
     (
         _seq, turn_id, _session_id, idx, _parent, _base, _base_len, _tail, _n_out,
         output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
-        created_at, sampling, _drift, _api, _response_id, abandoned, image_refs,
+        created_at, sampling, _drift, _api, _response_id, abandoned, image_refs, role,
     ) = row  # fmt: skip
     lp, v, plp, pv = _token_arrays(logprobs, versions, prox_lp, prox_v)
     return TurnTokens(
         turn_id=turn_id, index=idx, prompt_ids=prompt, output_ids=unpack_i32(output_ids), output_logprobs=lp,
         versions=v, proximal_logprobs_t=plp, proximal_versions=pv, spliced=bool(spliced), fork_reason=fork_reason,
         finish_reason=finish_reason, created_at=created_at, requested_sampling=orjson.loads(sampling),
-        abandoned=bool(abandoned), images=unpack_refs(image_refs),
+        abandoned=bool(abandoned), images=unpack_refs(image_refs), role=role,
     )  # fmt: skip
 
 
@@ -497,7 +524,7 @@ def _turn(row, prompt: np.ndarray) -> TurnRecord:
     (
         _seq, turn_id, session_id, idx, parent, _base, _base_len, _tail, _n_out,
         output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
-        created_at, sampling, drift, api, response_id, abandoned, image_refs,
+        created_at, sampling, drift, api, response_id, abandoned, image_refs, role,
     ) = row  # fmt: skip
     lp, v, plp, pv = _token_arrays(logprobs, versions, prox_lp, prox_v)
     return TurnRecord(
@@ -521,4 +548,5 @@ def _turn(row, prompt: np.ndarray) -> TurnRecord:
         response_id=response_id,
         abandoned=bool(abandoned),
         images=unpack_refs(image_refs),
+        role=role,
     )

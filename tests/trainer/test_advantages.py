@@ -45,3 +45,36 @@ def test_conflicting_session_rewards_warn_and_use_the_first():
 
 def test_token_broadcast():
     assert token_advantages(0.25, 3).tolist() == [0.25, 0.25, 0.25]
+
+
+def test_an_episode_of_several_samples_counts_once_in_its_group():
+    """Episode A yielded three samples (main, sub-agent, compacted segment), B and C one each.
+    By hand: episode rewards 1.0, 0.0, 0.5 -> mean 0.5, population std sqrt(1/6); A's samples
+    all get 0.5 / sqrt(1/6) = 1.2247..., B -1.2247..., C 0. Counting samples instead would put
+    the baseline at (1 + 1 + 1 + 0 + 0.5) / 5 = 0.7."""
+    samples = [s("A", "g", 1.0), s("A", "g", 1.0), s("A", "g", 1.0), s("B", "g", 0.0), s("C", "g", 0.5)]
+    adv = group_advantages(samples, eps=0.0)
+    assert adv == pytest.approx([1.224744871391589] * 3 + [-1.224744871391589, 0.0], abs=1e-12)
+    assert group_advantages(samples, normalize_std=False) == pytest.approx([0.5, 0.5, 0.5, -0.5, 0.0])
+
+
+def test_loss_aggregation_weights_by_hand():
+    """Loss tokens: A's samples 2, 3, 5 (T_A = 10), B 4, C 6: T = 20, E = 3 episodes, S = 5."""
+    from trainer_bridge.advantages import episode_loss_weights
+
+    def smp(session, n_loss, n_ctx=3):
+        return {"session_id": session, "loss_mask": [0] * n_ctx + [1] * n_loss}
+
+    samples = [smp("A", 2), smp("A", 3), smp("A", 5), smp("B", 4), smp("C", 6), smp("C", 0)]
+    assert episode_loss_weights(samples, "token") == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    # episode: T / (E * T_e) = 20/30, 20/12, 20/18
+    ep = episode_loss_weights(samples, "episode")
+    assert ep == pytest.approx([2 / 3, 2 / 3, 2 / 3, 5 / 3, 10 / 9, 0.0])
+    # each episode's tokens then carry the same total weight T / E
+    n = [2, 3, 5, 4, 6, 0]
+    assert sum(w * k for w, k in zip(ep[:3], n[:3])) == pytest.approx(20 / 3)
+    assert ep[3] * 4 == pytest.approx(20 / 3) and ep[4] * 6 == pytest.approx(20 / 3)
+    # sample: T / (S * T_s), S counting samples with a loss token: 20/10, 20/15, 20/25, 20/20, 20/30
+    assert episode_loss_weights(samples, "sample") == pytest.approx([2.0, 4 / 3, 0.8, 1.0, 2 / 3, 0.0])
+    with pytest.raises(ValueError):
+        episode_loss_weights(samples, "sequence")

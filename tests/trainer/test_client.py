@@ -29,7 +29,7 @@ def body(route, k=-1):
 @respx.mock
 def test_pull_and_ack_bodies_and_bearer():
     sample = {"sample_id": "x", "input_ids": [1, 2]}
-    pull = respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"schema_version": 2, "lease_id": "L1", "samples": [sample]})
+    pull = respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"schema_version": 3, "lease_id": "L1", "samples": [sample]})
     ack = respx.post(f"{URL}/v1/trajectories/ack").respond(200, json={"ok": True})
     c = ProxyClient(URL + "/", admin_token="sekret")
     lease, samples = c.pull(4, 2.5)
@@ -43,7 +43,7 @@ def test_pull_and_ack_bodies_and_bearer():
 
 @respx.mock
 def test_no_token_no_header_and_empty_pull():
-    pull = respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"schema_version": 2, "lease_id": None, "samples": []})
+    pull = respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"schema_version": 3, "lease_id": None, "samples": []})
     lease, samples = ProxyClient(URL).pull(8)
     assert lease is None and samples == []
     assert "authorization" not in pull.calls[0].request.headers
@@ -93,7 +93,7 @@ def test_retry_on_503_honours_retry_after(no_sleep):
         side_effect=[
             httpx.Response(503, headers={"Retry-After": "7"}, json={"error": {"message": "busy", "type": "server_error", "code": None}}),
             httpx.Response(429, headers={"Retry-After": "2"}, json={"error": {"message": "slow down", "type": "rate_limit_error", "code": None}}),
-            httpx.Response(200, json={"schema_version": 2, "lease_id": "L", "samples": [{"sample_id": "a"}]}),
+            httpx.Response(200, json={"schema_version": 3, "lease_id": "L", "samples": [{"sample_id": "a"}]}),
         ]
     )
     lease, samples = ProxyClient(URL).pull(1)
@@ -143,8 +143,8 @@ def test_openai_error_becomes_exception_without_retry(no_sleep):
 
 @respx.mock
 def test_multi_proxy_pull_combines_and_acks_each():
-    respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"schema_version": 2, "lease_id": "A", "samples": [{"sample_id": 1}]})
-    p2 = respx.post(f"{URL2}/v1/trajectories/pull").respond(200, json={"schema_version": 2, "lease_id": "B", "samples": [{"sample_id": 2}, {"sample_id": 3}]})
+    respx.post(f"{URL}/v1/trajectories/pull").respond(200, json={"schema_version": 3, "lease_id": "A", "samples": [{"sample_id": 1}]})
+    p2 = respx.post(f"{URL2}/v1/trajectories/pull").respond(200, json={"schema_version": 3, "lease_id": "B", "samples": [{"sample_id": 2}, {"sample_id": 3}]})
     ack1 = respx.post(f"{URL}/v1/trajectories/ack").respond(200, json={})
     ack2 = respx.post(f"{URL2}/v1/trajectories/ack").respond(200, json={})
     respx.get(f"{URL}/admin/status").respond(200, json={"version": 3})
@@ -175,9 +175,10 @@ def _arrow_reply(version: str | None) -> httpx.Response:
     [
         (lambda: httpx.Response(200, json={"schema_version": 0, "lease_id": "L", "samples": []}), "version 0; upgrade the proxy"),
         (lambda: httpx.Response(200, json={"lease_id": "L", "samples": [{"sample_id": "a"}]}), "without a schema_version"),
-        (lambda: httpx.Response(200, json={"schema_version": 3, "lease_id": "L", "samples": []}), "version 3; upgrade the trainer"),
+        (lambda: httpx.Response(200, json={"schema_version": 4, "lease_id": "L", "samples": []}), "version 4; upgrade the trainer"),
         (lambda: _arrow_reply("0"), "version '0'; upgrade the proxy"),
         (lambda: _arrow_reply("1"), "version '1'; upgrade the proxy"),
+        (lambda: _arrow_reply("2"), "version '2'; upgrade the proxy"),
         (lambda: _arrow_reply(None), "without a schema_version"),
     ],
 )
@@ -187,7 +188,7 @@ def test_unknown_or_stale_schema_version_is_refused(reply, says):
     ack = respx.post(f"{URL}/v1/trajectories/ack").respond(200, json={})
     with pytest.raises(client_mod.SchemaVersionError) as e:
         ProxyClient(URL).pull(4)
-    assert says in str(e.value) and "reads sample schema version 2 only" in str(e.value)
+    assert says in str(e.value) and "reads sample schema version 3 only" in str(e.value)
     assert e.value.code == "unsupported_schema_version"
     assert not ack.called  # the lease is left to time out, never acked: nothing is lost
     assert "application/vnd.apache.arrow.stream" in pull.calls[0].request.headers["accept"]
@@ -195,14 +196,14 @@ def test_unknown_or_stale_schema_version_is_refused(reply, says):
 
 @respx.mock
 def test_arrow_reply_is_read_with_its_lease():
-    respx.post(f"{URL}/v1/trajectories/pull").mock(return_value=_arrow_reply("2"))
+    respx.post(f"{URL}/v1/trajectories/pull").mock(return_value=_arrow_reply("3"))
     lease, samples = ProxyClient(URL).pull(4)
     assert lease == "L9" and samples[0]["sample_id"] == "x" and samples[0]["input_ids"].tolist() == [1, 2]
 
 
 @respx.mock
 def test_a_cut_off_arrow_stream_is_a_proxy_error():
-    whole = _arrow_reply("2").content
+    whole = _arrow_reply("3").content
     respx.post(f"{URL}/v1/trajectories/pull").respond(
         200, content=whole[: len(whole) - 40], headers={"content-type": "application/vnd.apache.arrow.stream"}
     )

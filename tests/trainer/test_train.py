@@ -51,7 +51,7 @@ class FakeProxy:
         if path == "/v1/trajectories/pull":
             samples = self.batches.pop(0) if self.batches else []
             self.leases += 1
-            return httpx.Response(200, json={"schema_version": 2, "lease_id": f"L{self.leases}", "samples": samples})
+            return httpx.Response(200, json={"schema_version": 3, "lease_id": f"L{self.leases}", "samples": samples})
         if path == "/admin/update_weights":
             self.version = payload["version"]
         return httpx.Response(200, json={})

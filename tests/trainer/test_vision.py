@@ -448,7 +448,7 @@ def test_arrow_pull_carries_image_references():
                                       ("grid_thw", pa.list_(pa.int32()))]))
     table = pa.table({"sample_id": ["s:0"], "input_ids": pa.array([[1, 2, 3]], pa.list_(pa.int32())),
                       "images": pa.array([refs], images_type)})
-    table = table.replace_schema_metadata({"splice.schema_version": "2"})
+    table = table.replace_schema_metadata({"splice.schema_version": "3"})
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)

@@ -133,6 +133,6 @@ def check_expected(samples: list[dict]) -> None:
         assert [tuple(x) for x in got_turns] == [tuple(x) for x in want["turns"]]
         assert s["turn_ids"] == [t["turn_id"] for t in s["turns"]]
         assert (s["reward"], s["rewarded_at"], s["trainable"]) == (want["reward"], want["rewarded_at"], want["trainable"])
-        assert s["n_tokens"] == len(want["input_ids"]) and s["schema_version"] == 2
+        assert s["n_tokens"] == len(want["input_ids"]) and s["schema_version"] == 3
 
 

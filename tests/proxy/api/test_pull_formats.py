@@ -37,14 +37,14 @@ def test_json_and_arrow_carry_identical_values_and_validate(proxy):
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     body = r.json()
     validator.validate(body)
-    assert body["schema_version"] == 2 and body["dropped_stale"] == 0 and body["lease_id"].startswith("lease_")
+    assert body["schema_version"] == 3 and body["dropped_stale"] == 0 and body["lease_id"].startswith("lease_")
     check_expected(body["samples"])
 
     proxy.clock.t += LEASE_S + 1  # the JSON lease expires unacked: the same samples come back
     r = httpx.post(proxy.url + "/v1/trajectories/pull", json={"max_samples": 10}, headers={"Accept": ARROW})
     assert r.status_code == 200 and r.headers["content-type"] == ARROW
     meta, rows = arrow_rows(r.content)
-    assert meta["splice.schema_version"] == "2" and meta["splice.dropped_stale"] == "0"
+    assert meta["splice.schema_version"] == "3" and meta["splice.dropped_stale"] == "0"
     assert meta["splice.lease_id"] == r.headers["x-splice-lease-id"] != body["lease_id"]
     as_json = {"schema_version": int(meta["splice.schema_version"]), "lease_id": meta["splice.lease_id"],
                "samples": rows, "dropped_stale": int(meta["splice.dropped_stale"])}  # fmt: skip
@@ -69,7 +69,7 @@ def test_trainer_client_reads_arrow_into_numpy(proxy):
     check_expected(samples)
     s = samples[0]
     assert s["input_ids"].dtype == np.int32 and s["logprobs"].dtype == np.float32 and s["loss_mask"].dtype == np.uint8
-    assert s["input_ids"].flags.writeable and c.last_pull["schema_version"] == 2 and c.last_pull["dropped_stale"] == 0
+    assert s["input_ids"].flags.writeable and c.last_pull["schema_version"] == 3 and c.last_pull["dropped_stale"] == 0
     proxy.clock.t += LEASE_S + 1
     with ProxyClient(proxy.url, arrow=False) as c:
         lease2, json_samples = c.pull(10)

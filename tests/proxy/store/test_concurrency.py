@@ -19,10 +19,10 @@ def test_turn_commits_while_a_pull_is_assembling(store, make_turn, monkeypatch):
     inside, release = threading.Event(), threading.Event()
     real = pool_mod.assemble_samples
 
-    def slow_assembly(session, turns):
+    def slow_assembly(session, turns, **kw):
         inside.set()
         assert release.wait(30), "the test never released the pull"
-        return real(session, turns)
+        return real(session, turns, **kw)
 
     monkeypatch.setattr(pool_mod, "assemble_samples", slow_assembly)
     pulled: list = []
@@ -55,8 +55,8 @@ def test_a_session_taken_by_a_racing_pull_is_not_leased_twice(store, make_turn, 
     real = pool_mod.assemble_samples
     raced: list = []
 
-    def assemble_then_race(session, turns):
-        out = real(session, turns)
+    def assemble_then_race(session, turns, **kw):
+        out = real(session, turns, **kw)
         if not raced:  # another trainer's pull leases the same session meanwhile
             raced.append(True)
             monkeypatch.setattr(pool_mod, "assemble_samples", real)

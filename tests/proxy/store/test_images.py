@@ -72,7 +72,7 @@ def test_an_image_shown_by_every_turn_is_stored_once(store):
     ]
     for r in s.images:  # each reference points at its placeholder in the sample's ids
         assert s.input_ids[r.offset] == 151655 and s.input_ids[r.offset - 1] == 151652
-    Draft202012Validator(SCHEMA).validate({"schema_version": 2, "lease_id": None, "dropped_stale": 0,
+    Draft202012Validator(SCHEMA).validate({"schema_version": 3, "lease_id": None, "dropped_stale": 0,
                                            "samples": [json.loads(json.dumps(s.to_dict()))]})  # fmt: skip
     table = pa.ipc.open_stream(b"".join(ipc_stream(samples))).read_all()
     assert table.column("images").to_pylist()[0] == [r.to_dict() for r in s.images]
