@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..store.packing import unpack_runs
 
 MAX_LIMIT = 200
@@ -62,7 +60,11 @@ def decode_cursor(cursor: str) -> tuple[float, int]:
     return value
 
 
+SCAN = 1000  # sessions one page may look through for the filters that read turn rows
+
+
 def _where(f: SessionFilter) -> tuple[list[str], list]:
+    """Filters answered by indexes or small tables: any number of sessions per page."""
     where: list[str] = []
     args: list = []
     if f.group_id is not None:
@@ -73,18 +75,25 @@ def _where(f: SessionFilter) -> tuple[list[str], list]:
         args += [f.search, f.search + "\U0010ffff"]
     if f.rewarded is not None:
         where.append("s.reward IS NOT NULL" if f.rewarded else "s.reward IS NULL")
-    if f.fork_reason == "*":
-        where.append("EXISTS (SELECT 1 FROM turns t WHERE t.session_id = s.session_id AND t.fork_reason IS NOT NULL)")
+    if f.fork_reason == "*":  # turns_fork: forks only
+        where.append("s.session_id IN (SELECT session_id FROM turns WHERE fork_reason IS NOT NULL)")
     elif f.fork_reason:
-        where.append("EXISTS (SELECT 1 FROM turns t WHERE t.session_id = s.session_id AND t.fork_reason = ?)")
+        where.append("s.session_id IN (SELECT session_id FROM turns WHERE fork_reason = ?)")
         args.append(f.fork_reason)
-    if f.has_images is not None:
-        probe = "EXISTS (SELECT 1 FROM turns t JOIN turn_images ti ON ti.turn_seq = t.seq WHERE t.session_id = s.session_id)"
+    if f.has_images is not None:  # turn_images: image turns only
+        probe = "s.session_id IN (SELECT t.session_id FROM turn_images ti JOIN turns t ON t.seq = ti.turn_seq)"
         where.append(probe if f.has_images else "NOT " + probe)
+    return where, args
+
+
+def _scanned(f: SessionFilter) -> tuple[list[str], list]:
+    """Filters that read each candidate's turn rows (engine, versions): bounded by ``SCAN``."""
+    where: list[str] = []
+    args: list = []
     if f.engine:
         where.append(
-            "EXISTS (SELECT 1 FROM turns t JOIN samplings sm ON sm.id = t.sampling_id "
-            "WHERE t.session_id = s.session_id AND instr(CAST(sm.json AS TEXT), ?) > 0)"
+            "EXISTS (SELECT 1 FROM turns t WHERE t.session_id = s.session_id AND t.sampling_id IN "
+            "(SELECT id FROM samplings WHERE instr(CAST(json AS TEXT), ?) > 0))"
         )
         args.append(f.engine)
     if f.version_min is not None or f.version_max is not None:
@@ -103,7 +112,7 @@ COLUMNS = (
     "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.session_id), "
     "(SELECT COALESCE(SUM(t.n_output), 0) FROM turns t WHERE t.session_id = s.session_id), "
     "(SELECT COALESCE(MAX(t.n_prompt + t.n_output), 0) FROM turns t WHERE t.session_id = s.session_id), "
-    "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.session_id AND t.fork_reason IS NOT NULL), "
+    "(SELECT COUNT(*) FROM turns t WHERE t.fork_reason IS NOT NULL AND t.session_id = s.session_id), "
     "(SELECT MIN(ui_vmin(t.versions)) FROM turns t WHERE t.session_id = s.session_id AND t.n_output > 0), "
     "(SELECT MAX(t.created_at) FROM turns t WHERE t.session_id = s.session_id), "
     "EXISTS (SELECT 1 FROM turns t JOIN turn_images ti ON ti.turn_seq = t.seq WHERE t.session_id = s.session_id)"
@@ -111,21 +120,34 @@ COLUMNS = (
 
 
 def list_sessions(db, f: SessionFilter, *, version: int, cursor: str | None = None, limit: int = 50) -> dict:
-    """One page of sessions, newest first, and the cursor of the next (older) page."""
+    """One page of sessions, newest first, and the cursor of the next (older) page.
+
+    With an engine or version filter a page looks through at most ``SCAN`` sessions: it may
+    hold fewer than ``limit`` rows (``scanned_to`` says how far it looked) and still have a
+    next page, so no request reads every turn of a large store.
+    """
     limit = max(1, min(int(limit), MAX_LIMIT))
     where, args = _where(f)
     if cursor:
         created, rowid = decode_cursor(cursor)
         where.append("(s.created_at, s.rowid) < (?, ?)")
         args += [created, rowid]
-    sql = (
-        f"SELECT {COLUMNS} FROM sessions s"
-        + (" WHERE " + " AND ".join(where) if where else "")
-        + " ORDER BY s.created_at DESC, s.rowid DESC LIMIT ?"
-    )
-    with db.read() as c:
+    scanned, scan_args = _scanned(f)
+    cond = " WHERE " + " AND ".join(where) if where else ""
+    order = " ORDER BY s.created_at DESC, s.rowid DESC"
+    window_end = None
+    with db.read(snapshot=True) as c:
         register_functions(c)
-        rows = c.execute(sql, (*args, limit + 1)).fetchall()
+        if scanned:
+            window = c.execute(f"SELECT s.created_at, s.rowid FROM sessions s{cond}{order} LIMIT 1 OFFSET ?", (*args, SCAN - 1)).fetchone()
+            if window is not None:  # the SCAN-th candidate: this page looks no further
+                window_end = window
+                where = [*where, "(s.created_at, s.rowid) >= (?, ?)"]
+                args = [*args, *window]
+            where += scanned
+            args += scan_args
+            cond = " WHERE " + " AND ".join(where)
+        rows = c.execute(f"SELECT {COLUMNS} FROM sessions s{cond}{order} LIMIT ?", (*args, limit + 1)).fetchall()
     more = len(rows) > limit
     rows = rows[:limit]
     out = []
@@ -151,8 +173,14 @@ def list_sessions(db, f: SessionFilter, *, version: int, cursor: str | None = No
                 "has_images": bool(images),
             }
         )
-    nxt = encode_cursor(rows[-1][5], rows[-1][8]) if more and rows else None
-    return {"data": out, "next_cursor": nxt, "has_more": nxt is not None}
+    if more and rows:
+        nxt = encode_cursor(rows[-1][5], rows[-1][8])
+    elif window_end is not None:
+        nxt = encode_cursor(*window_end)  # the window ran out before the page filled: look further
+    else:
+        nxt = None
+    return {"data": out, "next_cursor": nxt, "has_more": nxt is not None,
+            "scanned_to": None if window_end is None else window_end[0]}  # fmt: skip
 
 
 def fork_reasons(db) -> list[str]:
@@ -172,7 +200,3 @@ def engines(db) -> list[str]:
             if eid:
                 seen.add(eid)
     return sorted(seen)
-
-
-def version_bounds(values: np.ndarray) -> tuple[int | None, int | None]:
-    return (int(values.min()), int(values.max())) if values.size else (None, None)

@@ -153,7 +153,8 @@ async function sessionsPage(params) {
     $("tbody", table).replaceChildren(...rows);
     if (!rows.length) $("tbody", table).append(el("tr", {}, el("td", { colspan: 10, class: "empty", text: "no sessions" })));
     cursors[pageNo + 1] = body.next_cursor;
-    $("#page-no").textContent = "page " + (pageNo + 1);
+    $("#page-no").textContent = "page " + (pageNo + 1) +
+      (body.scanned_to ? ` (looked through sessions back to ${when(body.scanned_to)}; older → looks further)` : "");
     $("#prev").disabled = pageNo === 0;
     $("#next").disabled = !body.has_more;
     document.body.dataset.page = String(pageNo + 1);
