@@ -128,14 +128,16 @@ def open_times(url: str, session_id: str, runs: int, chromium: str, chromedriver
             while driver.execute_script("return document.body && document.body.dataset.ready") != "1":
                 time.sleep(0.005)
             wall = time.perf_counter() - t0
-            nav = driver.execute_script("return performance.now()")
+            nav = driver.execute_script("return window.spliceDrawnAt")
+            draw = driver.execute_script("return window.spliceDrawMs")
+            dcl = driver.execute_script("return performance.getEntriesByType('navigation')[0].domContentLoadedEventEnd")
             timing = driver.execute_script(
                 "return performance.getEntriesByType('resource').filter(e => e.name.includes('/ui/api/'))"
                 ".map(e => [e.name.split('/ui/api/')[1].split('?')[0], e.duration])"
             )
             cells = driver.execute_script("return document.querySelectorAll('.strip .c').length")
             out.append({"run": k, "wall_ms": wall * 1000, "page_ms": nav, "open_ms": driver.execute_script("return window.spliceOpenMs"),
-                        "api": {name: ms for name, ms in timing}, "cells": cells})  # fmt: skip
+                        "api": {name: ms for name, ms in timing}, "cells": cells, "draw_ms": draw, "dcl_ms": dcl})  # fmt: skip
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
@@ -237,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"session of {n} tokens (one sample), first page of {runs[0]['cells']} tokens drawn")
-    print(f"{'open':<8}{'navigation -> drawn (ms)':>26}{'session JSON (ms)':>19}{'first page JSON (ms)':>22}")
+    print(f"{'open':<8}{'navigation -> drawn (ms)':>26}{'session JSON (ms)':>19}{'first page JSON (ms)':>22}{'drawing (ms)':>14}{'page loaded (ms)':>18}")
     for r in runs:
         print(f"{'first' if r['run'] == 0 else 'again':<8}{r['page_ms']:>26.0f}{r['api'].get('session', float('nan')):>19.0f}"
-              f"{r['api'].get('tokens', float('nan')):>22.0f}")  # fmt: skip
+              f"{r['api'].get('tokens', float('nan')):>22.0f}{r['draw_ms']:>14.0f}{r['dcl_ms']:>18.0f}")  # fmt: skip
     later = [r["page_ms"] for r in runs[1:]] or [runs[0]["page_ms"]]
     print(f"median of later opens: {statistics.median(later):.0f} ms; first open: {runs[0]['page_ms']:.0f} ms")
     return 0

@@ -75,3 +75,18 @@ def test_bad_parameters_are_clear_errors(tmp_path):
         assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
         assert c.get("/ui/api/images/" + "0" * 64).status_code == 404
         assert c.get("/ui/api/images/xyz").status_code == 400
+
+
+def test_the_page_ships_as_package_data():
+    """A non-editable install carries every file of the page: pyproject's package-data globs
+    cover each of them (an asset they miss would 500 in a wheel install only)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["proxy"]
+    static = root / "proxy" / "ui" / "static"
+    files = [p.relative_to(root / "proxy").as_posix() for p in static.rglob("*") if p.is_file()]
+    assert {"ui/static/index.html", "ui/static/app.js", "ui/static/app.css"} <= set(files)
+    assert [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == []

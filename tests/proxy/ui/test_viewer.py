@@ -195,7 +195,7 @@ def test_one_session_shows_its_tree_text_image_and_coloured_strip(signed_in, rec
     assert len(driver.find_elements(By.CSS_SELECTOR, "#samples tbody tr")) == 2
     assert driver.find_element(By.ID, "reward").text == "none yet"
     Select(driver.find_element(By.ID, "channel")).select_by_value("version")
-    ActionChains(driver).move_to_element(cells[n0 + k]).perform()
+    ActionChains(driver).move_to_element(cells[n0 + k - 1]).perform()  # the last token sampled by v0
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(ARTIFACTS / "viewer-session.png"))
     assert (ARTIFACTS / "viewer-session.png").stat().st_size > 10_000
