@@ -15,6 +15,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,7 +28,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.e2e.conftest import kill_tree, start_proxy
+from engines.reference.launch import free_port
+from tests.e2e.conftest import ROOT, Proxy, kill_tree
 
 CHROMIUM = os.environ.get("SPLICE_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("SPLICE_CHROMEDRIVER", "/usr/bin/chromedriver")
@@ -148,15 +151,30 @@ def _streamed_turn_across_an_update(proxy, sid: str, messages: list, weights: st
     return "".join(content)
 
 
-def _start(tmp_path: Path, model: str):
-    """``start_proxy``, given more time on a loaded machine (loading the vision model is slow)."""
-    last: Exception | None = None
-    for _ in range(3):
+def _start(tmp_path: Path, model: str, deadline_s: float = 600.0) -> Proxy:
+    """``splice serve`` as ``start_proxy`` starts it, with more patience: loading the engine's
+    vision model takes minutes on a loaded machine."""
+    port = free_port()
+    store = str(tmp_path / "splice.sqlite")
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    args = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port), "--store", store, "--reference-model", model,
+            "--reference-script", str(script), "--reference-script-delay-ms", str(DELAY_MS), "--admin-token", ADMIN]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(args, cwd=str(tmp_path), env=env, start_new_session=True)
+    proxy = Proxy(f"http://127.0.0.1:{port}", proc, store, args, env)
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"splice serve exited with {proc.returncode}")
         try:
-            return start_proxy(tmp_path, model, script=SCRIPT, delay_ms=DELAY_MS, extra=["--admin-token", ADMIN])
-        except RuntimeError as exc:  # not healthy within start_proxy's two minutes
-            last = exc
-    raise AssertionError(f"splice serve did not start: {last}")
+            if httpx.get(proxy.url + "/health", timeout=1).status_code == 200:
+                return proxy
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    kill_tree(proxy)
+    raise AssertionError(f"splice serve did not become healthy in {deadline_s} s")
 
 
 @pytest.fixture(scope="module")
