@@ -13,7 +13,7 @@ from ..api.jsonio import JSONResponse
 from ..errors import APIError
 from . import queries
 from .now import WeightLog, now
-from .view import MAX_PAGE, Pieces, Segmenter, ViewCache, page, summary
+from .view import MAX_PAGE, Pieces, Segmenter, ViewCache, overview, page, summary
 
 ASSETS = {
     "app.js": "text/javascript; charset=utf-8",
@@ -124,6 +124,15 @@ def ui_router(store, pool, fmt, *, weight_log: WeightLog | None = None, metrics=
         start = _int(q, "start", 0, 0)
         count = _int(q, "count", 2048, 1, MAX_PAGE)
         return JSONResponse(await asyncio.to_thread(page, view, pieces, k, start, count))
+
+    @r.get("/ui/api/overview")
+    async def overview_of(request: Request):
+        q = request.query_params
+        view = await _view(q.get("id") or "")
+        k = _int(q, "sample", 0, 0)
+        if k >= len(view.samples):
+            raise APIError(404, f"the session has {len(view.samples)} samples", code="sample_not_found", param="sample")
+        return JSONResponse(await asyncio.to_thread(overview, view, k, _int(q, "buckets", 600, 1, 4000)))
 
     @r.get("/ui/api/images/{image_hash}")
     async def image(image_hash: str):

@@ -274,3 +274,32 @@ def page(view: SessionView, pieces: Pieces, sample: int, start: int, count: int)
         "proximal_version": s.proximal_versions[sl].tolist(),
         "images": images,
     }
+
+
+def overview(view: SessionView, sample: int, buckets: int) -> dict:
+    """A whole sample in at most ``buckets`` runs of tokens, one figure per channel each: the
+    newest version sampled in it (-1: none), the lowest behaviour log-prob, the proximal −
+    behaviour difference of largest size, the share of trained and of sampled tokens. Lets the
+    page show where a weight update or a mismatch lies in a 100k-token sample at a glance."""
+    s = view.samples[sample]
+    n = len(s)
+    b = max(1, min(int(buckets), n))
+    starts = np.linspace(0, n, b + 1).astype(np.int64)[:-1]
+    sampled = view.src[sample].astype(bool)
+    neg = np.float32(np.inf)
+    version = np.maximum.reduceat(np.where(sampled, s.versions, -1), starts) if n else np.empty(0)
+    low = np.minimum.reduceat(np.where(sampled, s.logprobs, neg), starts) if n else np.empty(0)
+    diff = np.where(sampled, s.proximal_logprobs_t - s.logprobs, 0).astype(np.float64)
+    hi = np.maximum.reduceat(diff, starts) if n else np.empty(0)
+    lo = np.minimum.reduceat(diff, starts) if n else np.empty(0)
+    counts = np.diff(np.append(starts, n))
+    return {
+        "sample": sample,
+        "n_tokens": n,
+        "starts": starts.tolist(),
+        "version": version.tolist(),
+        "logprob": [None if not np.isfinite(x) else float(x) for x in low],
+        "delta": np.where(np.abs(hi) >= np.abs(lo), hi, lo).tolist(),
+        "mask": (np.add.reduceat(s.loss_mask.astype(np.int64), starts) / counts).tolist() if n else [],
+        "src": (np.add.reduceat(sampled.astype(np.int64), starts) / counts).tolist() if n else [],
+    }

@@ -261,9 +261,11 @@ class TokenView {
     this.busy = null;
     this.body = el("div", { class: "tokens", id: "sample-" + k });
     this.more = el("div", { class: "more", text: "…" });
+    this.canvas = el("canvas", { class: "overview", width: 1200, height: 14, title: "the whole sample: click to go there" });
+    this.canvas.addEventListener("click", (ev) => this.jump(ev));
     this.root = el("section", { class: "sample", "data-sample": k },
       el("h3", { text: `Sample ${sample.sample_id} · ${sample.n_tokens} tokens · ${sample.loss_tokens} trained` +
-        (sample.trainable ? "" : " · untrainable") }), this.body, this.more);
+        (sample.trainable ? "" : " · untrainable") }), this.canvas, this.body, this.more);
     this.observer = new IntersectionObserver((es) => es.some((e) => e.isIntersecting) && this.next(), { rootMargin: "600px" });
     this.observer.observe(this.more);
   }
@@ -335,8 +337,36 @@ class TokenView {
     }
   }
 
+  async loadOverview() {
+    this.summary = await api("overview", { id: this.sessionId, sample: this.k, buckets: this.canvas.width });
+    this.paintOverview();
+  }
+
+  paintOverview() {
+    const o = this.summary;
+    if (!o) return;
+    const ctx = this.canvas.getContext("2d");
+    const w = this.canvas.width / o.starts.length;
+    o.starts.forEach((_, b) => {
+      // one bucket drawn as a token would be: the bucket's figure in the token's fields
+      const d = { src: [o.src[b] > 0 ? 1 : 0], version: [o.version[b]], logprob: [o.logprob[b] ?? 0],
+        proximal: [(o.logprob[b] ?? 0) + o.delta[b]], mask: [o.mask[b] > 0 ? 1 : 0] };
+      ctx.fillStyle = colour(this.channel, d, 0);
+      ctx.fillRect(Math.floor(b * w), 0, Math.ceil(w), this.canvas.height);
+    });
+  }
+
+  async jump(ev) {
+    const r = this.canvas.getBoundingClientRect();
+    const index = Math.floor(((ev.clientX - r.left) / r.width) * this.sample.n_tokens);
+    await this.until(index);
+    const t = this.body.querySelector(`.text [data-i="${index}"]`) || this.body.querySelector(`.strip [data-i="${index}"]`);
+    if (t) t.scrollIntoView({ block: "center" });
+  }
+
   recolour(channel) {
     this.channel = channel;
+    this.paintOverview();
     this.pages.forEach((d, p) => {
       const cells = this.body.querySelectorAll(`.strip[data-page="${p}"] .c`);
       cells.forEach((c, j) => { c.style.background = colour(channel, d, j); });
@@ -426,6 +456,7 @@ async function sessionPage(sid) {
   await new Promise((r) => requestAnimationFrame(() => setTimeout(r, 0)));
   window.spliceOpenMs = performance.now() - t0; // read by the benchmark: from the route to drawn
   window.spliceDrawnAt = performance.now(); // from navigation start
+  await Promise.all(views.map((v) => v.loadOverview()));
 }
 
 // ---------------------------------------------------------------- now

@@ -16,7 +16,7 @@ from tests.fakes.engines import FixedPool
 from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir
 
 TOK = load_tokenizer(str(qwen3_tokenizer_dir()))
-DATA = ["/ui/api/sessions", "/ui/api/choices", "/ui/api/now", "/ui/api/session?id=x", "/ui/api/tokens?id=x"]
+DATA = ["/ui/api/sessions", "/ui/api/choices", "/ui/api/now", "/ui/api/session?id=x", "/ui/api/tokens?id=x", "/ui/api/overview?id=x"]
 
 
 def _client(tmp_path, **settings) -> TestClient:

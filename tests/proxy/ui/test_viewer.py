@@ -171,6 +171,15 @@ def test_one_session_shows_its_tree_text_image_and_coloured_strip(signed_in, rec
     colours = driver.execute_script("return arguments[0].map(c => getComputedStyle(c).backgroundColor)", cells)
     assert colours[n0 : n0 + len(versions)] == [_rgb(PALETTE[v]) for v in versions]
     assert colours[0] == "rgb(217, 217, 217)"  # context: no version
+    # the whole-sample overview above the strip (one bucket per token at this size) agrees
+    canvas = sections[0].find_element(By.CSS_SELECTOR, "canvas.overview")
+    probe = [n0, n0 + len(versions) - 1, 0]
+    pixels = driver.execute_script(
+        "const [c, n, idx] = arguments; const ctx = c.getContext('2d');"
+        "return idx.map(i => Array.from(ctx.getImageData(Math.floor((i + 0.5) * c.width / n), 7, 1, 1).data.slice(0, 3)));",
+        canvas, len(ids0), probe)  # fmt: skip
+    as_rgb = lambda p: f"rgb({p[0]}, {p[1]}, {p[2]})"  # noqa: E731
+    assert [as_rgb(p) for p in pixels] == [_rgb(PALETTE[versions[0]]), _rgb(PALETTE[versions[-1]]), "rgb(217, 217, 217)"]
     # by loss mask: sampled tokens of turns 0 and 1 are trained on, the rest are not
     Select(driver.find_element(By.ID, "channel")).select_by_value("mask")
     colours = driver.execute_script("return arguments[0].map(c => getComputedStyle(c).backgroundColor)", cells)
