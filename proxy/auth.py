@@ -8,6 +8,9 @@ Three credentials, each optional:
 - the reward token (``--reward-token``): a grader's credential: rewards and session
   listing / reading, nothing else.
 
+The session viewer's page and assets (``/ui``, ``/ui/static/*``) hold no data and are open;
+its data (``/ui/api/*``) needs the session-reading credential, like ``/v1/sessions``.
+
 The agent key never opens a trainer route once an admin or reward token is set: an agent with
 shell tools (Codex, Claude Code) holds the agent key and could otherwise read every session
 and reward itself. With neither set, the session routes fall back to the agent key (and the
@@ -35,6 +38,10 @@ def access_of(path: str) -> Access:
     """Which credential a path needs."""
     if path in OPEN_PATHS:
         return Access.OPEN
+    if path.startswith("/ui/api/"):
+        return Access.SESSIONS
+    if path in ("/ui", "/ui/") or path.startswith("/ui/static/"):
+        return Access.OPEN  # the viewer's shell: no data
     if path.startswith(("/admin/", "/v1/trajectories/", "/v1/images/")) or path == "/admin":
         return Access.TRAINER
     if path == "/v1/sessions" or path.startswith("/v1/sessions/"):

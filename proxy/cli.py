@@ -26,6 +26,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--admin-token", help="the trainer's credential: pulls, /admin, session listing / reading / rewards")
     p.add_argument("--api-key", help="the agents' credential (Responses, Chat, Messages); never opens a trainer route")
     p.add_argument("--reward-token", help="a grader's credential: rewards and session listing / reading only")
+    p.add_argument("--no-ui", dest="ui", action="store_false", default=None,
+                   help="do not serve the session viewer at /ui (docs/viewer.md)")
     p.add_argument("--thinking-retention", choices=["all", "tool_cycle", "template"])
     p.add_argument("--history-edits", choices=["fork", "keep"],
                    help="a replayed history edited only in system/developer text or earlier tool arguments: fork (default) "

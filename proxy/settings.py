@@ -30,6 +30,7 @@ class Settings(BaseSettings):
     admin_token: str | None = None  # the trainer's: pulls, /admin, session listing / reading / rewards
     api_key: str | None = None  # the agents': Responses, Chat, Messages
     reward_token: str | None = None  # a grader's: rewards and session listing / reading only
+    ui: bool = True  # the session viewer at /ui (docs/viewer.md); --no-ui turns it off
     thinking_retention: Literal["all", "tool_cycle", "template"] = "all"
     # A replayed history that differs from the recorded turns only in system / developer text or
     # earlier tool-call arguments: "fork" renders it in full (a new sample), "keep" continues the

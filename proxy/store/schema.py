@@ -52,6 +52,8 @@ CREATE TABLE IF NOT EXISTS turns (
     UNIQUE (session_id, idx)
 );
 CREATE INDEX IF NOT EXISTS turns_parent ON turns(parent_turn_id) WHERE parent_turn_id IS NOT NULL;
+-- forks only (few rows): the viewer's fork filter and counts never read the wide token rows
+CREATE INDEX IF NOT EXISTS turns_fork ON turns(fork_reason, session_id) WHERE fork_reason IS NOT NULL;
 
 -- Turn rows are written once; what changes later lives in small side tables, so a recompute
 -- never rewrites (and fragments) the large token rows.
