@@ -83,6 +83,10 @@ class TrainConfig:
     loss_agg: str = _opt(
         "token-mean", "loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean or "
         "seq-mean-token-sum-norm (token sum / --loss-norm-tokens, Dr. GRPO)")
+    episode_weighting: str = _opt(
+        "token", "how an episode (a session) that yields several samples is weighted under --loss-agg token-mean: "
+        "token (every loss token once: an episode weighs by its tokens), episode (each episode's token mean "
+        "counts once) or sample (each sample's token mean counts once); docs/samples.md")
     loss_norm_tokens: int = _opt(8192, "the constant divisor of seq-mean-token-sum-norm (e.g. the generation budget)")
     tis_cap: float | None = _opt(
         2.0, "truncated importance sampling of the engine-trainer mismatch: where the engine gave a log-prob "
@@ -141,6 +145,10 @@ class TrainConfig:
             raise ValueError(f"--loss-agg must be one of {', '.join(LOSS_AGGS)}")
         if self.micro_batch_tokens < 2:
             raise ValueError("--micro-batch-tokens must be >= 2")
+        if self.episode_weighting not in ("token", "episode", "sample"):
+            raise ValueError("--episode-weighting must be token, episode or sample")
+        if self.episode_weighting != "token" and self.loss_agg != "token-mean":
+            raise ValueError("--episode-weighting episode|sample reweights a token mean: use it with --loss-agg token-mean")
         band = self.mis_band()
         if band is not None and not (0 <= band[0] < 1 < band[1]):
             raise ValueError(f"--mis-low / --mis-high must satisfy 0 <= low < 1 < high, got {band}")

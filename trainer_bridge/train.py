@@ -36,7 +36,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from . import distributed
-from .advantages import group_advantages
+from .advantages import episode_loss_weights, group_advantages
 from .agreement import EXIT_CODE as AGREEMENT_EXIT_CODE
 from .agreement import AgreementError, AgreementGate
 from .batching import validate_sample
@@ -142,6 +142,10 @@ def prepare_batch(
     )
     if config.missing_proximal_mode == "mask":
         kept = [mask_missing_proximal(s, version) for s in kept]
+    if config.episode_weighting != "token" and kept:
+        # a sample's loss terms scale with its advantage (clip and dual clip included), so
+        # weighting the advantage weights the sample (trainer_bridge.advantages.episode_loss_weights)
+        kept_adv = [a * w for a, w in zip(kept_adv, episode_loss_weights(kept, config.episode_weighting))]
     rewards = {s["session_id"]: float(s["reward"]) for s in valid}
     reward_mean = sum(rewards.values()) / len(rewards) if rewards else 0.0
     info = {

@@ -78,3 +78,24 @@ def test_loss_aggregation_weights_by_hand():
     assert episode_loss_weights(samples, "sample") == pytest.approx([2.0, 4 / 3, 0.8, 1.0, 2 / 3, 0.0])
     with pytest.raises(ValueError):
         episode_loss_weights(samples, "sequence")
+
+
+def test_episode_weighting_scales_each_samples_advantage():
+    """`--episode-weighting episode`: an episode of two samples weighs what an episode of one does;
+    checked by hand on a group of two sessions, the first of which yields two samples."""
+    from splice_trainer_testlib import make_samples
+    from trainer_bridge.config import TrainConfig
+    from trainer_bridge.train import prepare_batch
+
+    samples = make_samples(n_groups=1, group_size=2, seed=11, version=5)
+    assert [s["session_id"] for s in samples] == ["s0-0", "s0-0", "s0-1"]
+    base = dict(proxies=["u"], model="m", max_staleness=None)
+    kept, plain, _ = prepare_batch(samples, 5, TrainConfig(**base))
+    kept_e, weighted, _ = prepare_batch(samples, 5, TrainConfig(**base, episode_weighting="episode"))
+    tokens = [sum(s["loss_mask"]) for s in kept]
+    total, first_episode = sum(tokens), tokens[0] + tokens[1]
+    expected = [plain[0] * total / (2 * first_episode), plain[1] * total / (2 * first_episode),
+                plain[2] * total / (2 * tokens[2])]
+    assert weighted == pytest.approx(expected)
+    # the two episodes' weighted token sums are equal: each counts once
+    assert (tokens[0] + tokens[1]) * total / (2 * first_episode) == pytest.approx(tokens[2] * total / (2 * tokens[2]))
