@@ -18,7 +18,12 @@ LOGITS_CHUNK = 64  # positions per lm_head call (64 x 151936 floats = 39 MB)
 
 
 def _quiet_transformers() -> None:
+    import warnings
+
     import transformers
+
+    # transformers 5.x renames the forward's cache argument; older releases know only this name
+    warnings.filterwarnings("ignore", message=".*past_key_values.* is deprecated", category=FutureWarning)
 
     transformers.logging.set_verbosity_error()
     try:
