@@ -206,7 +206,7 @@ def test_first_try_from_the_readme(tmp_path, splice_home):
     and with no Splice, OpenAI or Anthropic variable set: every command exits 0 with the reply,
     and each CLI's two runs are one session whose second turn is spliced."""
     codex, claude = cli("codex"), cli("claude")
-    proxy = start_proxy(tmp_path, None, env=splice_home)
+    proxy = start_proxy(tmp_path, None, env=splice_home, start_timeout_s=600)
     try:
         home, work = tmp_path / "home", tmp_path / "work"
         home.mkdir()
