@@ -73,7 +73,7 @@ def _lines(path: str) -> list[str]:
 def test_a_line_per_turn_and_a_progress_line(tmp_path, model_dir):
     proc, url, err = _serve(tmp_path, model_dir)
     try:
-        history = [{"role": "user", "content": "hello"}]
+        history = [{"role": "user", "content": "hello " * 30}]  # long enough for the engine's prefix reuse
         first = _chat(url, "tl-1", history)
         history += [{"role": "assistant", "content": first}, {"role": "user", "content": "more please"}]
         _chat(url, "tl-1", history)
