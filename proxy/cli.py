@@ -55,8 +55,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", default=None, help="no line per finished turn, no progress lines")
     p.add_argument("--reference-model", metavar="DIR", help="model dir for the bundled engine (created if missing)")
     p.add_argument("--reference-script", metavar="FILE",
-                   help="JSON list of replies the bundled engine emits instead of sampling (default for the bundled "
-                        "untrained model: a short first-try reply; 'none' samples it)")
+                   help="JSON list of replies the bundled engine emits instead of sampling; 'first-try': a short reply "
+                        "(the default for the bundled untrained model); 'none': sample")
     p.add_argument("--reference-script-delay-ms", type=int)
 
 
@@ -115,6 +115,8 @@ def _bundled_defaults(settings: Settings) -> tuple[Settings, "str | list[str] | 
     chosen = settings.reference_script
     if chosen is not None and chosen.lower() == "none":
         chosen = ""
+    if chosen == "first-try":  # by name, for any model
+        return settings, list(FIRST_TRY_SCRIPT)
     if chosen:  # absolute: the engine child runs from the repository root, not from the user's directory
         return settings, os.path.abspath(chosen)
     if settings.reference_model is not None:

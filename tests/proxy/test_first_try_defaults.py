@@ -37,6 +37,8 @@ def test_own_model_or_script_is_served_as_given(tmp_path):
     assert script is None and settings.max_output_tokens is None  # samples, whatever fits
     settings, script = _bundled_defaults(_settings("--reference-script", "replies.json"))
     assert script == os.path.abspath("replies.json") and settings.max_output_tokens is None
+    _, script = _bundled_defaults(_settings("--reference-model", str(tmp_path), "--reference-script", "first-try"))
+    assert script == FIRST_TRY_SCRIPT  # the first-try reply by name, for any model
 
 
 def test_quiet_flag_and_environment(monkeypatch):
