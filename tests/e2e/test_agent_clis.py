@@ -27,6 +27,7 @@ from tokenization.loader import load_tokenizer
 pytestmark = pytest.mark.slow
 
 CACHE = ROOT / ".cache" / "agent-clis"
+START_S = 600  # splice serve's start (engine included) on a loaded shared machine can pass 2 minutes
 PACKAGES = {"codex": "@openai/codex@0.169.0", "claude": "@anthropic-ai/claude-code@2.1.330"}
 
 
@@ -114,7 +115,7 @@ env_http_headers = {{ "X-Session-Id" = "SPLICE_SESSION", "X-Group-Id" = "SPLICE_
 
 def test_codex_cli_default_tools(tmp_path, splice_home):
     codex = cli("codex")
-    proxy = start_proxy(tmp_path, None, script=CODEX_SCRIPT, env=splice_home)
+    proxy = start_proxy(tmp_path, None, script=CODEX_SCRIPT, env=splice_home, start_timeout_s=START_S)
     try:
         home, work = tmp_path / "codex-home", tmp_path / "work"
         home.mkdir()
@@ -164,7 +165,7 @@ def test_claude_code_cli(tmp_path, splice_home, history_edits):
     claude = cli("claude")
     key = "sk-splice-cc"
     extra = ["--api-key", key] + (["--history-edits", history_edits] if history_edits else [])
-    proxy = start_proxy(tmp_path, None, script=CLAUDE_SCRIPT, extra=extra, env=splice_home)
+    proxy = start_proxy(tmp_path, None, script=CLAUDE_SCRIPT, extra=extra, env=splice_home, start_timeout_s=START_S)
     try:
         home, work = tmp_path / "home", tmp_path / "work"
         home.mkdir()
@@ -206,7 +207,7 @@ def test_first_try_from_the_readme(tmp_path, splice_home):
     and with no Splice, OpenAI or Anthropic variable set: every command exits 0 with the reply,
     and each CLI's two runs are one session whose second turn is spliced."""
     codex, claude = cli("codex"), cli("claude")
-    proxy = start_proxy(tmp_path, None, env=splice_home, start_timeout_s=600)
+    proxy = start_proxy(tmp_path, None, env=splice_home, start_timeout_s=START_S)
     try:
         home, work = tmp_path / "home", tmp_path / "work"
         home.mkdir()
