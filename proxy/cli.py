@@ -56,8 +56,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-image-pixels", type=int, help="largest decoded image, width x height (default 50,000,000)")
     p.add_argument("--max-images-per-request", type=int, help="image parts one request may carry, history included (default 64)")
     p.add_argument("--image-fetch-timeout-s", type=float, help="time limit to fetch one image URL (default 10)")
+    p.add_argument("--quiet", action="store_true", default=None, help="no line per finished turn, no progress lines")
     p.add_argument("--reference-model", metavar="DIR", help="model dir for the bundled engine (created if missing)")
-    p.add_argument("--reference-script", metavar="FILE")
+    p.add_argument("--reference-script", metavar="FILE",
+                   help="JSON list of replies the bundled engine emits instead of sampling; 'first-try': a short reply "
+                        "(the default for the bundled untrained model); 'none': sample")
     p.add_argument("--reference-script-delay-ms", type=int)
 
 
@@ -89,7 +92,7 @@ def build(settings: Settings):
 
         # absolute: the engine child runs from the repository root, not from the user's directory
         model_dir = os.path.abspath(ensure_model(settings.reference_model))
-        script = os.path.abspath(settings.reference_script) if settings.reference_script else None
+        settings, script = _bundled_defaults(settings)
         url, engine_proc = start_engine(
             model_dir, script=script, script_delay_s=settings.reference_script_delay_ms / 1000.0,
             timeout_s=120.0, capture_log=False, die_with_parent=True,
@@ -104,6 +107,29 @@ def build(settings: Settings):
             engine_proc()
         raise
     return settings, fmt, pool, engine_proc
+
+
+def _bundled_defaults(settings: Settings) -> tuple[Settings, "str | list[str] | None"]:
+    """The engine script (a file, a list of replies, or None to sample) and, for the bundled
+    untrained model, first-try defaults: it never samples an end of turn, so it answers with a
+    short scripted reply unless ``--reference-script none``, and sampled turns get a small output
+    budget instead of the whole context. A model of your own keeps both as given."""
+    from engines.reference.first_try import FIRST_TRY_SCRIPT, SAMPLED_MAX_OUTPUT_TOKENS
+
+    chosen = settings.reference_script
+    if chosen is not None and chosen.lower() == "none":
+        chosen = ""
+    if chosen == "first-try":  # by name, for any model
+        return settings, list(FIRST_TRY_SCRIPT)
+    if chosen:  # absolute: the engine child runs from the repository root, not from the user's directory
+        return settings, os.path.abspath(chosen)
+    if settings.reference_model is not None:
+        return settings, None
+    if chosen is None:
+        return settings.model_copy(update={"reference_script": "first-try"}), list(FIRST_TRY_SCRIPT)
+    if settings.max_output_tokens is None:
+        settings = settings.model_copy(update={"max_output_tokens": SAMPLED_MAX_OUTPUT_TOKENS})
+    return settings.model_copy(update={"reference_script": None}), None
 
 
 def _build_proxy(settings: Settings, urls: list[str], tokenizer_path: str | None, renderer: str | None):
@@ -207,12 +233,15 @@ def _serve(settings: Settings) -> int:
     from .app import create_app
     from .http_server import server_options
 
+    from .turn_log import configure as turn_lines
+
     settings, fmt, pool, engine_proc = build(settings)
     app = create_app(settings, fmt=fmt, pool=pool)
+    turn_lines(enabled=not settings.quiet)
     base = f"http://{settings.host}:{settings.port}"
     from engines.http import redact_url
 
-    engines = ", ".join(redact_url(u) for u in (settings.engine_url or ["the bundled reference engine"]))
+    engines = ", ".join(redact_url(u) for u in (settings.engine_url or [_bundled_engine_words(settings)]))
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -231,6 +260,15 @@ def _serve(settings: Settings) -> int:
         if engine_proc is not None:
             engine_proc()
     return 0
+
+
+def _bundled_engine_words(settings: Settings) -> str:
+    if settings.reference_model is not None:
+        return f"the bundled reference engine ({settings.reference_model})"
+    if settings.reference_script == "first-try":
+        return ("the bundled reference engine (tiny untrained model: every reply is a short scripted one; "
+                "--reference-script none samples it, --engine-url uses your SGLang / vLLM server)")  # fmt: skip
+    return "the bundled reference engine (tiny untrained model)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,6 +70,7 @@ class Settings(BaseSettings):
     image_fetch_timeout_s: float = Field(default=10.0, gt=0)  # total time to fetch one image URL
     image_cache_entries: int = Field(default=1024, ge=1)  # decoded images remembered (agents resend history images)
     image_cache_bytes: int = Field(default=512 * 1024 * 1024, ge=0)  # encoded bytes the decode cache may hold
+    quiet: bool = False  # no per-turn / progress lines on the console
     reference_model: str | None = None  # model dir for the bundled engine (created if missing)
     reference_script: str | None = None  # script file for the bundled engine
     reference_script_delay_ms: int = 0

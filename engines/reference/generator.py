@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from .lm import LanguageModel
+from .prefix_cache import PrefixCache
 from .sampling import GenParams, apply_logit_bias, sample, token_logprobs
 from .script import Script
 
@@ -74,6 +75,7 @@ class Job:
     input_ranks: list[int | None] = field(default_factory=list)  # 1 = the most likely token
     finish: Finish | None = None
     weight_version: str = ""
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (set at admission)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     done: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -82,6 +84,7 @@ class Job:
     _due: float = 0.0
     _gen: torch.Generator | None = None
     _script: tuple[int, int] | None = None  # (entry, start offset) in script mode
+    _epoch: int = -1  # the prefix cache's epoch at admission (-1: not cacheable)
 
     def snapshot(self) -> Snapshot:
         with self.lock:
@@ -116,8 +119,11 @@ class Worker:
         token_delay_s: float = 0.0,
         weight_version: str = "0",
         seed: int = 0,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.lm = lm
+        # KV of recent sequences (text models only: a vision prompt's KV depends on its images)
+        self.prefix = prefix_cache if prefix_cache is not None and prefix_cache.enabled and lm.vision is None else None
         self.script = script
         self.token_delay_s = float(token_delay_s)
         self.weight_version = str(weight_version)
@@ -310,6 +316,8 @@ class Worker:
         except Exception as e:
             fut.set_result((False, f"Failed to update weights: {e}"))
             return
+        if self.prefix is not None:  # KV computed with the old weights is no longer the model's
+            self.prefix.clear()
         if from_disk:
             self.model_path = str(source)
         else:
@@ -328,10 +336,17 @@ class Worker:
         ids = job.input_ids
         start = job.input_logprobs_from
         keep_from = len(ids) - 1 if start is None else min(start, len(ids) - 1)
-        job._cache = self.lm.new_cache()
+        hit = None
+        if self.prefix is not None and not job.images:
+            job._epoch = self.prefix.epoch
+            hit = self.prefix.lookup(ids, limit=keep_from)  # hidden states from keep_from on are computed
+        job._cache = hit.cache if hit is not None else self.lm.new_cache()
+        job.cached_tokens = hit.tokens if hit is not None else 0
         try:
-            hidden = self.lm.prefill(ids, job._cache, keep_from=keep_from, images=job.images)
+            reuse = {"start": job.cached_tokens} if job.cached_tokens else {}
+            hidden = self.lm.prefill(ids, job._cache, keep_from=keep_from, images=job.images, **reuse)
         except ValueError as e:  # a request the model cannot take (checked before admission; a backstop)
+            job._epoch = -1
             self._finish(job, Finish("abort", message=f"prefill failed: {e}"))
             return
         input_lps: list[float | None] = []
@@ -443,6 +458,8 @@ class Worker:
         with job.lock:
             job.finish = finish
             job.weight_version = self.weight_version
+        if self.prefix is not None and job._cache is not None and job._epoch >= 0:
+            self.prefix.insert(job.input_ids + job.output_ids, job._cache, job._epoch)
         job._cache = None
         job._logits = None
         if job in self._active:

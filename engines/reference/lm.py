@@ -18,7 +18,12 @@ LOGITS_CHUNK = 64  # positions per lm_head call (64 x 151936 floats = 39 MB)
 
 
 def _quiet_transformers() -> None:
+    import warnings
+
     import transformers
+
+    # transformers 5.x renames the forward's cache argument; older releases know only this name
+    warnings.filterwarnings("ignore", message=".*past_key_values.* is deprecated", category=FutureWarning)
 
     transformers.logging.set_verbosity_error()
     try:
@@ -114,17 +119,25 @@ class LanguageModel:
         return DynamicCache(config=self.config)
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], cache, *, keep_from: int, images=()) -> torch.Tensor:
-        """Run ``ids`` through the model into ``cache``; return final hidden states of positions ``keep_from..``."""
+    def prefill(self, ids: list[int], cache, *, keep_from: int, images=(), start: int = 0) -> torch.Tensor:
+        """Run ``ids[start:]`` through the model into ``cache``; return final hidden states of
+        positions ``keep_from..`` (``start <= keep_from``).
+
+        ``start > 0``: ``cache`` already holds the KV of ``ids[:start]`` (a reused prefix). Chunks
+        stay aligned to multiples of ``PREFILL_CHUNK``, as in a prefill from 0.
+        """
         if images:
             raise ValueError("this model takes no images")
+        if not 0 <= start <= keep_from:
+            raise ValueError(f"prefill start {start} must be in [0, keep_from={keep_from}]")
         kept = []
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[start : start + PREFILL_CHUNK]
-            out = self._base(input_ids=torch.tensor([chunk]), past_key_values=cache, use_cache=True)
-            end = start + len(chunk)
+        pos = start
+        while pos < len(ids):
+            end = min(len(ids), (pos // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+            out = self._base(input_ids=torch.tensor([ids[pos:end]]), past_key_values=cache, use_cache=True)
             if end > keep_from:
-                kept.append(out.last_hidden_state[0, max(keep_from - start, 0) :])
+                kept.append(out.last_hidden_state[0, max(keep_from - pos, 0) :])
+            pos = end
         return torch.cat(kept, dim=0)
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ from . import sglang_api, vllm_api, vllm_generate_api, weight_api
 from .generator import Worker
 from .lm import load_language_model
 from .model_init import IM_END_ID
+from .prefix_cache import DEFAULT_MAX_MB, PrefixCache
 from .script import Script, load_script
 from .state import EngineState
 from .weight_sync import DEFAULT_TIMEOUT_S, WeightGroups
@@ -36,6 +37,7 @@ def create_app(
     token_delay_s: float = 0.0,
     seed: int = 0,
     weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S,
+    prefix_cache_mb: float = DEFAULT_MAX_MB,
 ) -> FastAPI:
     """Load the model and return the ASGI app; the worker thread runs for the app's lifespan.
 
@@ -43,6 +45,7 @@ def create_app(
     emitted at most every ``script_delay_s`` seconds in script mode, ``token_delay_s`` otherwise
     (0: as fast as the CPU goes). ``seed`` seeds requests that carry no sampling seed.
     ``weight_sync_timeout_s`` bounds joining a weight-update group and each broadcast.
+    ``prefix_cache_mb``: KV of recent sequences kept for prefix reuse (0: off; text models only).
     """
     lm = load_language_model(model_dir)
     scripted = None
@@ -51,7 +54,8 @@ def create_app(
         end_id = IM_END_ID if IM_END_ID in lm.eos_ids else min(lm.eos_ids)
         scripted = Script.from_texts(texts, lm.tokenizer, end_ids=lm.eos_ids, end_id=end_id)
     delay = script_delay_s if scripted is not None else token_delay_s
-    worker = Worker(lm, script=scripted, token_delay_s=delay, weight_version=str(weight_version), seed=seed)
+    prefix = PrefixCache(int(prefix_cache_mb * 1024 * 1024))
+    worker = Worker(lm, script=scripted, token_delay_s=delay, weight_version=str(weight_version), seed=seed, prefix_cache=prefix)
     state = EngineState(lm, worker, served_model_name=served_model_name or str(model_dir), script_mode=scripted is not None)
 
     @contextlib.asynccontextmanager
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-sync-timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                    help="how long joining a weight-update group, or one broadcast in it, may take")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_MAX_MB,
+                   help="KV of recent sequences kept so a prompt extending one prefills only its new tokens (0: off)")
     p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
 
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=a.served_model_name,
         seed=a.seed,
         weight_sync_timeout_s=a.weight_sync_timeout_s,
+        prefix_cache_mb=a.prefix_cache_mb,
     )
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     return 0

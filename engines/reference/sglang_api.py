@@ -264,7 +264,7 @@ def build_response(state: EngineState, job: Job, snap: Snapshot, opts: dict, t0:
         "finish_reason": finish_json(snap.finish, job.params),
         "prompt_tokens": len(job.input_ids),
         "completion_tokens": len(snap.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": job.cached_tokens,
         "weight_version": snap.weight_version or state.worker.weight_version,
         "e2e_latency": time.monotonic() - t0,
     }
@@ -410,6 +410,7 @@ def make_router(state: EngineState) -> APIRouter:
                 "script_mode": state.script_mode,
                 "script_counter": state.worker.script.counter if state.worker.script is not None else None,
                 "paused": state.paused,
+                "prefix_cache": state.worker.prefix.stats() if state.worker.prefix is not None else None,
                 **state.worker.load(),
             }
         )

@@ -56,7 +56,7 @@ def _start(tmp: str, src: str, tok, tok_dir: str, prefill_tok_s: float, procs: l
     if why := wait_http(surl + "/health", procs[-1]):
         raise SystemExit(f"engine stand-in: {why}")
     pport = free_port()
-    env = {**os.environ, "PYTHONPATH": src}
+    env = {**os.environ, "PYTHONPATH": src, "SPLICE_QUIET": "1"}  # no per-turn console lines (an older tree ignores it)
     procs.append(subprocess.Popen(
         [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
          "serve", "--engine", "sglang", "--engine-url", surl, "--tokenizer", tok_dir, "--renderer", "qwen3",

@@ -52,7 +52,8 @@ def start_splice(tmp: str, engine_url: str, tok_dir: str, procs: list[subprocess
                  renderer: str = "qwen3") -> int:
     """``splice serve`` in front of ``engine_url`` (appended to ``procs``, not yet waited for); returns its port."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # SPLICE_QUIET: no per-turn console lines in the measured proxy (an older tree ignores it)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""), "SPLICE_QUIET": "1"}
     procs.append(subprocess.Popen(
         [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
          "serve", "--engine", "sglang", "--engine-url", engine_url, "--tokenizer", tok_dir, "--renderer", renderer,

@@ -17,6 +17,7 @@ from ..errors import APIError, from_engine_error
 from ..ids import call_id, chat_completion_id, message_id, response_id
 from ..metrics import Metrics
 from ..store import Conflict, Store, StoredResponse, TurnRecord
+from ..turn_log import TurnWatch
 from .drift import DriftChecker
 from .episodes import EpisodeRoles
 from .images import as_stored, engine_images, request_images
@@ -172,12 +173,13 @@ class TurnRunner:
         if self.sampling.overridden(req):
             self.metrics.sampling_overrides.inc()
         self.lookup.claim(p.parent_turn_id)
+        watch = TurnWatch.start(p, req.turn_id, on_tokens)  # the console's progress and per-turn lines
         try:
             async with self._lock(p.session_id):
                 pig = await self._piggyback(p)
                 self.metrics.inflight.inc()
                 try:
-                    gen = await self._generate(p, params, on_tokens, pig)
+                    gen = await self._generate(p, params, watch.on_tokens, pig)
                 finally:
                     self.metrics.inflight.dec()
                 result = self._result(req, p, gen)
@@ -187,7 +189,9 @@ class TurnRunner:
                 self._settle_owed(p, gen, pig)
         finally:
             self.lookup.release(p.parent_turn_id)
+            watch.stop()
         self._count(req, p, gen, result)
+        watch.finished(result, time.perf_counter() - t_start, p, req)
         self.metrics.proxy_seconds.observe(max(0.0, time.perf_counter() - t_start - gen.engine_time_s))
         if p.spliced:
             self._spawn(self.drift.check(req, result, p.parent_turn_id))

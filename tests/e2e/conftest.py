@@ -52,7 +52,7 @@ class Proxy:
                 self.proc.wait()
 
 
-def start_proxy(tmp_path: Path, model_dir: str | None, *, script: list[str] | None = None, delay_ms: int = 0, extra: list[str] | None = None, store: str | None = None, port: int | None = None, env: dict | None = None) -> Proxy:
+def start_proxy(tmp_path: Path, model_dir: str | None, *, script: list[str] | None = None, delay_ms: int = 0, extra: list[str] | None = None, store: str | None = None, port: int | None = None, env: dict | None = None, start_timeout_s: float = 120.0) -> Proxy:
     """``splice serve`` as a child process; ``model_dir=None`` serves the bundled default model
     (under ``$SPLICE_HOME``, which ``env`` may set)."""
     port = port or free_port()
@@ -68,7 +68,7 @@ def start_proxy(tmp_path: Path, model_dir: str | None, *, script: list[str] | No
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(args, cwd=str(tmp_path), env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + start_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"splice serve exited with {proc.returncode}")

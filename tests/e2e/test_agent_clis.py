@@ -1,11 +1,13 @@
 """The real Codex CLI and Claude Code CLI, with their default tools, against ``splice serve``
 (embedded reference engine in script mode emitting a call of each CLI's shell tool): the CLI
 runs the command, gets the answer, resumes the conversation, and every later turn is spliced.
+``test_first_try_from_the_readme`` runs the README's first-try commands as written against the
+default ``splice serve`` (the bundled model's scripted first-try reply).
 
 The npm packages are installed on first use under ``.cache/agent-clis`` (gitignored); without
 npm or the registry the tests skip. The proxy is the default ``splice serve`` (no model flags):
 the bundled tiny model's 128k context holds both CLIs' ~8-21k-token system prompt and tool
-list. Each test takes ~20-40 s.
+list. Each test takes ~20-40 s on an idle machine (the first one also creates the model).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from tokenization.loader import load_tokenizer
 pytestmark = pytest.mark.slow
 
 CACHE = ROOT / ".cache" / "agent-clis"
+START_S = 600  # splice serve's start (engine included) on a loaded shared machine can pass 2 minutes
 PACKAGES = {"codex": "@openai/codex@0.169.0", "claude": "@anthropic-ai/claude-code@2.1.330"}
 
 
@@ -45,8 +49,13 @@ def cli(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def splice_home(tmp_path_factory) -> dict:
-    """A fresh ``$SPLICE_HOME``: ``splice serve`` creates its bundled default model there."""
-    return {"SPLICE_HOME": str(tmp_path_factory.mktemp("splice-home"))}
+    """A fresh ``$SPLICE_HOME`` holding the bundled default model, created here as ``splice serve``
+    would on first use (up front, so a loaded machine does not run a server's start past its deadline)."""
+    from engines.reference.model_init import BUNDLED_MODEL_NAME, ensure_model
+
+    home = tmp_path_factory.mktemp("splice-home")
+    ensure_model(home / "models" / BUNDLED_MODEL_NAME)
+    return {"SPLICE_HOME": str(home)}
 
 
 def _default_model(home: dict) -> str:
@@ -106,7 +115,7 @@ env_http_headers = {{ "X-Session-Id" = "SPLICE_SESSION", "X-Group-Id" = "SPLICE_
 
 def test_codex_cli_default_tools(tmp_path, splice_home):
     codex = cli("codex")
-    proxy = start_proxy(tmp_path, None, script=CODEX_SCRIPT, env=splice_home)
+    proxy = start_proxy(tmp_path, None, script=CODEX_SCRIPT, env=splice_home, start_timeout_s=START_S)
     try:
         home, work = tmp_path / "codex-home", tmp_path / "work"
         home.mkdir()
@@ -156,7 +165,7 @@ def test_claude_code_cli(tmp_path, splice_home, history_edits):
     claude = cli("claude")
     key = "sk-splice-cc"
     extra = ["--api-key", key] + (["--history-edits", history_edits] if history_edits else [])
-    proxy = start_proxy(tmp_path, None, script=CLAUDE_SCRIPT, extra=extra, env=splice_home)
+    proxy = start_proxy(tmp_path, None, script=CLAUDE_SCRIPT, extra=extra, env=splice_home, start_timeout_s=START_S)
     try:
         home, work = tmp_path / "home", tmp_path / "work"
         home.mkdir()
@@ -179,6 +188,48 @@ def test_claude_code_cli(tmp_path, splice_home, history_edits):
             assert proxy.post("/v1/sessions/cc-ep-1/reward", {"reward": 1.0}, headers=auth).status_code == 200
             samples = proxy.post("/v1/trajectories/pull", {"max_samples": 100}).json()["samples"]
             assert [x["session_id"] for x in samples] == ["cc-ep-1"]
+    finally:
+        proxy.stop()
+        _stop_engine(proxy)
+
+
+def _readme_block(name: str) -> str:
+    """The bash block the README's first try shows for ``name`` (after ``<!-- first-try: name -->``)."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(rf"<!-- first-try: {name} -->\n```bash\n(.*?)\n```", text, re.S)
+    assert m, f"README has no first-try block for {name}"
+    return m.group(1)
+
+
+def test_first_try_from_the_readme(tmp_path, splice_home):
+    """The README's first try, verbatim, against the default ``splice serve`` (no flags but the
+    port and store; a fresh ``$SPLICE_HOME``, so the bundled model is created as for a new user)
+    and with no Splice, OpenAI or Anthropic variable set: every command exits 0 with the reply,
+    and each CLI's two runs are one session whose second turn is spliced."""
+    codex, claude = cli("codex"), cli("claude")
+    proxy = start_proxy(tmp_path, None, env=splice_home, start_timeout_s=START_S)
+    try:
+        home, work = tmp_path / "home", tmp_path / "work"
+        home.mkdir()
+        work.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "CLAUDE_", "CODEX_", "SPLICE_"))}
+        env.update(HOME=str(home), PATH=os.pathsep.join([str(Path(codex).parent), env.get("PATH", "")]))
+        assert Path(claude).parent == Path(codex).parent
+        for name in ("codex", "claude"):
+            script = _readme_block(name).replace("http://127.0.0.1:8000", proxy.url)
+            t0 = time.monotonic()
+            r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env, capture_output=True,
+                               text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+            out = r.stdout + r.stderr
+            assert r.returncode == 0, out[-3000:]
+            print(f"first try, {name}: both commands in {time.monotonic() - t0:.1f} s")
+            assert r.stdout.count("Hello from Splice!") == 2, out[-3000:]  # each command printed the reply
+        sessions = proxy.get("/v1/sessions").json()["data"]
+        assert [s["turns"] for s in sessions] == [2, 2]
+        for s in sessions:
+            turns = _turns(proxy, s["session_id"])
+            _all_spliced(turns)
+            assert turns[1]["finish_reason"] == "stop"
     finally:
         proxy.stop()
         _stop_engine(proxy)
