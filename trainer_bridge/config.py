@@ -95,8 +95,10 @@ class TrainConfig:
     model_dtype: str = _opt("float32", "master weight and AdamW state dtype (float32; bfloat16 is refused)")
     compute_dtype: str = _opt("auto", "dtype of the gathered weights in forward/backward: auto (bfloat16 on CUDA, "
                               "float32 on CPU), bfloat16 or float32")
-    attn_implementation: str = _opt("auto", "transformers attention: auto (flash_attention_2 on CUDA when "
-                                    "installed, else sdpa), sdpa, eager, flash_attention_2")
+    attn_implementation: str = _opt("auto", "attention over packed rows: auto (flash_attention_2 on CUDA when "
+                                    "installed, else splice_flex on CUDA, splice_sdpa on CPU), splice_flex "
+                                    "(FlexAttention document mask), splice_varlen (torch varlen), splice_sdpa "
+                                    "(one SDPA per sample), flash_attention_2; sdpa/eager build a dense mask")
 
     stats_path: str | None = _opt(None, "per-step stats JSONL (default: <out>/stats.jsonl)")
     progress: bool = _opt(True, "show a progress bar")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import distributed
+from . import attention, distributed
 from .balance import attention_weight
 from .batching import MicroBatch, empty_micro_batch, pack
 from .config import TrainConfig
@@ -82,7 +82,8 @@ def build_learner(config: TrainConfig, dist: Dist) -> Learner:
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
     )
-    varlen = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
+    # varlen or document-masked attention wastes nothing on one long row; a dense mask does
+    varlen = getattr(model.config, "_attn_implementation", None) in ("flash_attention_2", *attention.PACKED)
     return Learner(policy=policy, module=policy, optimizer=optimizer, dist=dist,
                    attn_weight=attention_weight(getattr(model, "config", None)), pack_rows="one" if varlen else "auto",
                    vision=vision, pixels=PixelCache(vision) if vision is not None else None)
