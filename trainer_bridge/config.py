@@ -41,6 +41,8 @@ class TrainConfig:
     weight_transfer: str = _opt("auto", "how weights reach the engines: distributed (broadcast over torch.distributed "
                                 "from rank 0), disk (the engines load the saved step directory) or auto (distributed "
                                 "when every engine supports it)")
+    export_bucket_mb: float = _opt(1024.0, "published step directory: megabytes per safetensors file (each written "
+                                   "while the next is gathered)")
     bucket_mb: float = _opt(512.0, "distributed weight transfer: megabytes of tensors per update call")
     master_address: str = _opt("127.0.0.1", "distributed weight transfer: the address the engines reach this trainer at")
 
@@ -99,6 +101,9 @@ class TrainConfig:
                                     "installed, else splice_flex on CUDA, splice_sdpa on CPU), splice_flex "
                                     "(FlexAttention document mask), splice_varlen (torch varlen), splice_sdpa "
                                     "(one SDPA per sample), flash_attention_2; sdpa/eager build a dense mask")
+
+    sharded_load: bool = _opt(True, "build the model on the meta device and read only this rank's shards from "
+                              "the safetensors files (no rank holds the whole float32 model)")
 
     stats_path: str | None = _opt(None, "per-step stats JSONL (default: <out>/stats.jsonl)")
     progress: bool = _opt(True, "show a progress bar")

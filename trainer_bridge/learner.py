@@ -22,14 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import attention, distributed
+from . import attention, distributed, loading
 from .balance import attention_weight
 from .batching import MicroBatch, empty_micro_batch, pack
 from .config import TrainConfig
 from .distributed import Dist
 from .loss import decoupled_ppo_loss, stats_to_floats
 from .plan import RankShare, plan_step
-from .policy import Policy, load_causal_lm, pick_attn_implementation
+from .policy import Policy, load_causal_lm, packed_attention_for, pick_attn_implementation, prepare_for_training
 from .sharding import shard_policy
 from .stats import StatsAccumulator
 from .vision import PixelCache, VisionSettings, batch_pixels, packed_rope_positions
@@ -65,16 +65,8 @@ def build_learner(config: TrainConfig, dist: Dist) -> Learner:
     config.check_dtypes()
     distributed.ensure_group(dist)
     vision = VisionSettings.from_model_dir(config.model)
-    model = load_causal_lm(
-        config.model,
-        dtype=config.model_dtype,
-        gradient_checkpointing=activation_checkpointing(config, dist.device),
-        attn_implementation=pick_attn_implementation(config.attn_implementation, dist.device),
-    )
-    policy = Policy(model, temperature=config.temperature, chunk_size=config.logprob_chunk_size, vision=vision)
-    if dist.device.type != "cpu":
-        policy.to(dist.device)
-    shard_policy(policy, dist, param_dtype=compute_dtype(config, dist.device))
+    policy = sharded_policy(config, dist, vision)
+    model = policy.model
     optimizer = torch.optim.AdamW(
         [p for p in policy.parameters() if p.requires_grad],
         lr=config.lr,
@@ -87,6 +79,31 @@ def build_learner(config: TrainConfig, dist: Dist) -> Learner:
     return Learner(policy=policy, module=policy, optimizer=optimizer, dist=dist,
                    attn_weight=attention_weight(getattr(model, "config", None)), pack_rows="one" if varlen else "auto",
                    vision=vision, pixels=PixelCache(vision) if vision is not None else None)
+
+
+def sharded_policy(config: TrainConfig, dist: Dist, vision: VisionSettings | None = None) -> Policy:
+    """The FSDP2-sharded policy. A text model is built on ``meta`` and each rank reads only its
+    shards from the safetensors files (``loading.py``); a model whose checkpoint names differ from
+    its modules (a vision model) is loaded whole on every rank, then sharded."""
+    checkpointing = activation_checkpointing(config, dist.device)
+    attn = packed_attention_for(config.model, pick_attn_implementation(config.attn_implementation, dist.device))
+    param_dtype = compute_dtype(config, dist.device)
+    make = dict(temperature=config.temperature, chunk_size=config.logprob_chunk_size, vision=vision)
+    if vision is None and config.model_dtype == "float32" and config.sharded_load:
+        meta = loading.build_meta_model(config.model, attn_implementation=attn)
+        keys = loading.checkpoint_index(config.model)
+        if loading.checkpoint_keys_match(meta, keys):
+            policy = Policy(prepare_for_training(meta, checkpointing), **make)
+            shard_policy(policy, dist, param_dtype=param_dtype)
+            loading.materialize(policy, dist.device)
+            loading.load_shards(policy.model, config.model, keys)
+            return policy
+    model = load_causal_lm(config.model, dtype=config.model_dtype, gradient_checkpointing=checkpointing,
+                           attn_implementation=attn)
+    policy = Policy(model, **make)
+    if dist.device.type != "cpu":
+        policy.to(dist.device)
+    return shard_policy(policy, dist, param_dtype=param_dtype)
 
 
 def policy_inputs(mb: MicroBatch) -> dict[str, torch.Tensor | None]:

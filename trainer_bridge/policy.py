@@ -207,6 +207,11 @@ def load_causal_lm(
         model = auto.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True, **extra)
     except TypeError:  # transformers < 4.56 spells it torch_dtype
         model = auto.from_pretrained(model_dir, torch_dtype=torch_dtype, local_files_only=True, **extra)
+    return prepare_for_training(model, gradient_checkpointing)
+
+
+def prepare_for_training(model: nn.Module, gradient_checkpointing: bool = False) -> nn.Module:
+    """No KV cache; activation checkpointing per decoder layer (non-reentrant) when asked."""
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
