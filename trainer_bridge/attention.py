@@ -91,7 +91,9 @@ def document_block_mask(doc_ids: torch.Tensor):
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic=None: the first shape compiles static, the next ones share one dynamic-shape kernel
+    # (micro-batch lengths differ from step to step)
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def flex_attention(query, key, value, layout: PackedLayout, scale: float | None, *, compiled: bool | None = None):

@@ -135,7 +135,6 @@ def run_trainer(model_dir: Path, samples, advantages, args, dist, publish_dir: P
         times.append(time.perf_counter() - t)
     out.update(step_s=times, **mem.result())
     if publish_dir is not None:
-        export.save_engine_dir(learner.policy.model, dist, str(model_dir), publish_dir, dtype="bfloat16")  # warm
         _sync(dist.device)
         t = time.perf_counter()
         rep = export.save_engine_dir(learner.policy.model, dist, str(model_dir), publish_dir, dtype="bfloat16")
@@ -251,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-bench", default="8192,4,32,8,128", help="length,samples,heads,kv_heads,dim ('' skips)")
     ap.add_argument("--workdir", default=None, help="where model folders go (default: a temporary directory)")
     args = ap.parse_args(argv)
+    started = time.perf_counter()
 
     from . import distributed
     from .bench import synthetic_samples
@@ -290,9 +290,18 @@ def main(argv: list[str] | None = None) -> int:
                                           Path(tmp) / f"{shape}-published" if args.publish else None)
                     else:
                         res = run_baseline(model_dir, samples, advantages, args, device)
-                except torch.OutOfMemoryError as e:
-                    res = {"error": "out of memory: " + str(e)[:200]}
+                except Exception as e:  # noqa: BLE001 - recorded; the trainer retries with per-sample SDPA
+                    res = {"error": repr(e)[:400]}
                     _free(device)
+                    if name == "trainer" and args.attn != "splice_sdpa":
+                        print(shape, "trainer failed:", res["error"], "- retrying with splice_sdpa", flush=True)
+                        failed, args.attn = res, "splice_sdpa"
+                        try:
+                            res = run_trainer(model_dir, samples, advantages, args, dist, None)
+                        except Exception as e2:  # noqa: BLE001
+                            res = {"error": repr(e2)[:400]}
+                        res["first_error"] = failed["error"]
+                        _free(device)
                 timed = res.get("step_s", [])[args.warmup:]
                 if timed:
                     step_s = sum(timed) / len(timed)
@@ -300,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                     if result["peak_flops"]:
                         res["mfu_6n"] = dense / step_s / result["peak_flops"]
                         res["mfu_6n_attn"] = with_attn / step_s / result["peak_flops"]
+                res["elapsed_s"] = time.perf_counter() - started
                 run[name] = res
                 print(shape, name, json.dumps(res), flush=True)
                 save()
