@@ -134,6 +134,15 @@ def run_trainer(model_dir: Path, samples, advantages, args, dist, publish_dir: P
         _sync(dist.device)
         times.append(time.perf_counter() - t)
     out.update(step_s=times, **mem.result())
+    if args.profile:  # one more step under the profiler: where the time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dist.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            learner_step(learner, samples, advantages, config, 99, version=5)
+            _sync(dist.device)
+        key = "self_cuda_time_total" if dist.device.type == "cuda" else "self_cpu_time_total"
+        out["profile"] = prof.key_averages().table(sort_by=key, row_limit=args.profile)
     if publish_dir is not None:
         _sync(dist.device)
         t = time.perf_counter()
@@ -220,10 +229,15 @@ def attention_microbench(device: torch.device, length: int, n_samples: int, head
                 fn(layout).sum().backward()
             _sync(device)
             t = time.perf_counter()
-            for _ in range(iters):
-                fn(attention.packed_layout(pos, impl)).sum().backward()  # the layout is built per call too
+            for _ in range(iters):  # the layout is built once per forward, not per layer: prebuilt here
+                fn(layout).sum().backward()
             _sync(device)
             out[name] = 1000 * (time.perf_counter() - t) / iters
+            t = time.perf_counter()
+            for _ in range(iters):
+                attention.packed_layout(pos, impl)
+            _sync(device)
+            out[f"{name}_layout_build"] = 1000 * (time.perf_counter() - t) / iters
         except Exception as e:  # noqa: BLE001 - a kernel this torch lacks is reported, not fatal
             out[name] = float("nan")
             out[f"{name}_error"] = repr(e)[:300]
@@ -244,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn", default="auto", help="the trainer's --attn-implementation")
     ap.add_argument("--compile", action="store_true", help="the trainer with --compile-layers")
     ap.add_argument("--ac-every", type=int, default=1, help="the trainer's --checkpoint-every-k-layers")
+    ap.add_argument("--profile", type=int, default=0, help="profile one more trainer step: top N ops")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false")
     ap.add_argument("--baseline-ac", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--publish", action=argparse.BooleanOptionalAction, default=True)
@@ -311,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                         res["mfu_6n_attn"] = with_attn / step_s / result["peak_flops"]
                 res["elapsed_s"] = time.perf_counter() - started
                 run[name] = res
-                print(shape, name, json.dumps(res), flush=True)
+                print(shape, name, json.dumps({k: v for k, v in res.items() if k != "profile"}), flush=True)
+                if res.get("profile"):
+                    print(res["profile"], flush=True)
                 save()
             _free(device)
     distributed.teardown(dist)

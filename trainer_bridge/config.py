@@ -102,7 +102,7 @@ class TrainConfig:
     compute_dtype: str = _opt("auto", "dtype of the gathered weights in forward/backward: auto (bfloat16 on CUDA, "
                               "float32 on CPU), bfloat16 or float32")
     attn_implementation: str = _opt("auto", "attention over packed rows: auto (flash_attention_2 on CUDA when "
-                                    "installed, else splice_flex on CUDA, splice_sdpa on CPU), splice_flex "
+                                    "installed, else splice_sdpa), splice_flex "
                                     "(FlexAttention document mask), splice_varlen (torch varlen), splice_sdpa "
                                     "(one SDPA per sample), flash_attention_2; sdpa/eager build a dense mask")
 
