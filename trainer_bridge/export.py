@@ -100,19 +100,25 @@ def save_engine_dir(model: nn.Module, dist: Dist, src_dir: str | None, out_dir: 
     pool = ThreadPoolExecutor(max_workers=max(1, writers)) if dist.is_main else None
     pending: list[Future] = []
     weight_map: dict[str, str] = {}
-    try:
-        if dist.is_main:
+    if dist.is_main:
+        try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        current: dict[str, torch.Tensor] = {}
-        index = 0
-        gather = 0.0
+        except OSError as e:
+            error = e
+    current: dict[str, torch.Tensor] = {}
+    index = 0
+    try:
+        # every rank runs every gather, whatever went wrong on rank 0 (the others would hang)
         for name, t in engine_tensors(model, target):
             t0 = time.perf_counter()
-            if dist.is_main:
-                current[name] = t.to("cpu", copy=t.device.type == "cpu").contiguous()
+            if dist.is_main and error is None:
+                try:
+                    current[name] = t.to("cpu", copy=t.device.type == "cpu").contiguous()
+                except BaseException as e:  # noqa: BLE001 - raised on every rank after the gathers
+                    error = e
             del t
-            gather += time.perf_counter() - t0
+            report.gather_s += time.perf_counter() - t0
             if name == buckets[index][-1]:
                 if dist.is_main and error is None:
                     fname = f"model-{index + 1:05d}-of-{n_files:05d}.safetensors" if n_files > 1 else "model.safetensors"
@@ -123,7 +129,6 @@ def save_engine_dir(model: nn.Module, dist: Dist, src_dir: str | None, out_dir: 
                         error = error or _result(pending.pop(0))
                 current = {}
                 index += 1
-        report.gather_s = gather
         if dist.is_main:
             for f in pending:
                 error = error or _result(f)
@@ -132,8 +137,8 @@ def save_engine_dir(model: nn.Module, dist: Dist, src_dir: str | None, out_dir: 
                 shutil.rmtree(out, ignore_errors=True)
                 tmp.rename(out)
                 report.files, report.tensors, report.names = n_files, len(weight_map), sorted(weight_map)
-    except BaseException as e:  # noqa: BLE001 - re-raised on every rank below
-        error = e
+    except BaseException as e:  # noqa: BLE001 - a failed gather fails on every rank; re-raised below
+        error = error or e
     finally:
         if pool is not None:
             pool.shutdown(wait=True)

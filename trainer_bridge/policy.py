@@ -115,7 +115,12 @@ class Policy(nn.Module):
             if self.vision is None:
                 extra = {}
                 impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-                if impl in attention.PACKED and attention_mask is None:  # sample boundaries, once per forward
+                if impl in attention.PACKED:  # sample boundaries, once per forward
+                    if attention_mask is not None:  # right padding only: causal attention never reaches it
+                        m = attention_mask.bool()
+                        if bool((m[..., 1:] & ~m[..., :-1]).any()):
+                            raise ValueError(f"{impl} needs packed or right-padded rows, not left or inner padding")
+                        attention_mask = None
                     extra[attention.LAYOUT_KWARG] = attention.packed_layout(position_ids, impl)
                 hidden = self.body(
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,

@@ -150,3 +150,22 @@ def test_policy_on_packed_rows_equals_each_sample_alone(tiny_model_dir, rows, mo
 def test_auto_picks_a_packed_implementation_on_cpu():
     assert attention.pick("auto", torch.device("cpu")) == attention.SDPA
     assert attention.pick("sdpa", torch.device("cpu")) == "sdpa"
+
+
+def test_right_padded_rows_equal_each_sample_alone(tiny_model_dir):
+    """The padded layout (one right-padded row per sample, an attention mask) through a packed implementation."""
+    from trainer_bridge.batching import make_micro_batches
+
+    samples = make_samples(n_groups=2, group_size=2, seed=9, min_len=4, max_len=20)
+    ref_model = load_causal_lm(str(tiny_model_dir), attn_implementation="eager")
+    policy = Policy(load_causal_lm(str(tiny_model_dir), attn_implementation=attention.SDPA), chunk_size=5)
+    for mb in make_micro_batches(samples, [0.0] * len(samples), max_tokens=80):
+        assert mb.attention_mask is not None and not mb.attention_mask.bool().all()  # really padded
+        with torch.no_grad():
+            lp, _ = policy(mb.input_ids, mb.attention_mask, mb.position_ids)
+            for b, i in enumerate(mb.sample_indices):
+                ids = samples[i]["input_ids"]
+                torch.testing.assert_close(lp[b, : len(ids)].double(), _alone_logprobs(ref_model, ids), atol=2e-5, rtol=0)
+    left = torch.tensor([[0, 1, 1]])
+    with pytest.raises(ValueError, match="right-padded"):
+        policy(torch.tensor([[1, 2, 3]]), left, torch.tensor([[0, 0, 1]]))
