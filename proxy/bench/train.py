@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--samples", type=int, default=12, help="samples in the batch")
+    p.add_argument("--samples", type=int, default=None, help="samples in the batch (default 12; --gpu: 16 of 2k-16k tokens)")
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=8000)
     p.add_argument("--steps", type=int, default=2, help="training steps per run (tokens/s from the last)")
@@ -77,7 +77,7 @@ def run_gpu(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="splice-bench-gpu-") as tmp:
         out = Path(tmp) / "gpu.json"
         cmd = [sys.executable, "-m", "trainer_bridge.bench_gpu", "--out", str(out), "--models", args.gpu_models,
-               "--samples", str(args.samples), "--micro-batch-tokens", str(args.micro_batch_tokens),
+               "--samples", str(args.samples or 16), "--micro-batch-tokens", str(args.micro_batch_tokens),
                *shlex.split(args.gpu_args)]
         proc = subprocess.run(cmd, env=_env(os.cpu_count() or 1), capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
@@ -114,6 +114,7 @@ def print_gpu_table(result: dict) -> None:
 def run(args) -> dict:
     if getattr(args, "gpu", False):
         return run_gpu(args)
+    args.samples = args.samples or 12
     with tempfile.TemporaryDirectory(prefix="splice-bench-train-") as tmp:
         model, n_params = args.model, None
         if model is None:
