@@ -41,6 +41,8 @@ class TrainConfig:
     weight_transfer: str = _opt("auto", "how weights reach the engines: distributed (broadcast over torch.distributed "
                                 "from rank 0), disk (the engines load the saved step directory) or auto (distributed "
                                 "when every engine supports it)")
+    export_bucket_mb: float = _opt(1024.0, "published step directory: megabytes per safetensors file (each written "
+                                   "while the next is gathered)")
     bucket_mb: float = _opt(512.0, "distributed weight transfer: megabytes of tensors per update call")
     master_address: str = _opt("127.0.0.1", "distributed weight transfer: the address the engines reach this trainer at")
 
@@ -64,6 +66,10 @@ class TrainConfig:
     gradient_checkpointing: bool | None = _opt(
         None, "activation checkpointing per decoder layer: recompute activations in backward "
         "(default: on with CUDA, off on CPU)")
+    checkpoint_every_k_layers: int = _opt(1, "with activation checkpointing: recompute every k-th decoder layer "
+                                          "only (2: half the layers keep their activations, less recompute)")
+    compile_layers: bool = _opt(False, "torch.compile each decoder layer's forward")
+    optimizer_impl: str = _opt("auto", "AdamW kernel: auto (fused on CUDA, foreach on CPU), fused, foreach, for-loop")
     seed: int = _opt(0, "seed for minibatch shuffling")
 
     # loss (docs/design.md section 6)
@@ -112,8 +118,13 @@ class TrainConfig:
     model_dtype: str = _opt("float32", "master weight and AdamW state dtype (float32; bfloat16 is refused)")
     compute_dtype: str = _opt("auto", "dtype of the gathered weights in forward/backward: auto (bfloat16 on CUDA, "
                               "float32 on CPU), bfloat16 or float32")
-    attn_implementation: str = _opt("auto", "transformers attention: auto (flash_attention_2 on CUDA when "
-                                    "installed, else sdpa), sdpa, eager, flash_attention_2")
+    attn_implementation: str = _opt("auto", "attention over packed rows: auto (flash_attention_2 on CUDA when "
+                                    "installed, else splice_sdpa), splice_flex "
+                                    "(FlexAttention document mask), splice_varlen (torch varlen), splice_sdpa "
+                                    "(one SDPA per sample), flash_attention_2; sdpa/eager build a dense mask")
+
+    sharded_load: bool = _opt(True, "build the model on the meta device and read only this rank's shards from "
+                              "the safetensors files (no rank holds the whole float32 model)")
 
     stats_path: str | None = _opt(None, "per-step stats JSONL (default: <out>/stats.jsonl)")
     progress: bool = _opt(True, "show a progress bar")

@@ -22,15 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import distributed
+from . import attention, distributed, loading
 from .balance import attention_weight
 from .batching import MicroBatch, empty_micro_batch, pack
 from .config import TrainConfig
 from .distributed import Dist
 from .loss import decoupled_ppo_loss, stats_to_floats
 from .plan import RankShare, plan_step
-from .policy import Policy, load_causal_lm, pick_attn_implementation
-from .sharding import shard_policy
+from .policy import Policy, load_causal_lm, packed_attention_for, pick_attn_implementation, prepare_for_training
+from .sharding import decoder_layers, shard_policy
 from .stats import StatsAccumulator
 from .vision import PixelCache, VisionSettings, batch_pixels, packed_rope_positions
 
@@ -65,27 +65,74 @@ def build_learner(config: TrainConfig, dist: Dist) -> Learner:
     config.check_dtypes()
     distributed.ensure_group(dist)
     vision = VisionSettings.from_model_dir(config.model)
-    model = load_causal_lm(
-        config.model,
-        dtype=config.model_dtype,
-        gradient_checkpointing=activation_checkpointing(config, dist.device),
-        attn_implementation=pick_attn_implementation(config.attn_implementation, dist.device),
-    )
-    policy = Policy(model, temperature=config.temperature, chunk_size=config.logprob_chunk_size, vision=vision)
-    if dist.device.type != "cpu":
-        policy.to(dist.device)
-    shard_policy(policy, dist, param_dtype=compute_dtype(config, dist.device))
+    policy = sharded_policy(config, dist, vision)
+    model = policy.model
     optimizer = torch.optim.AdamW(
         [p for p in policy.parameters() if p.requires_grad],
         lr=config.lr,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
+        **optimizer_impl(config, dist.device),
     )
-    varlen = getattr(model.config, "_attn_implementation", None) == "flash_attention_2"
+    # varlen or document-masked attention wastes nothing on one long row; a dense mask does
+    varlen = getattr(model.config, "_attn_implementation", None) in ("flash_attention_2", *attention.PACKED)
     return Learner(policy=policy, module=policy, optimizer=optimizer, dist=dist,
                    attn_weight=attention_weight(getattr(model, "config", None)), pack_rows="one" if varlen else "auto",
                    vision=vision, pixels=PixelCache(vision) if vision is not None else None)
+
+
+def optimizer_impl(config: TrainConfig, device: torch.device) -> dict[str, bool]:
+    """AdamW's kernel. ``auto``: fused on CUDA (one kernel per parameter group, no temporaries the
+    size of the model: the step stops being the memory peak); foreach elsewhere."""
+    impl = config.optimizer_impl
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    if impl not in ("fused", "foreach", "for-loop"):
+        raise ValueError(f"--optimizer-impl must be auto, fused, foreach or for-loop, got {impl!r}")
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
+def tune_layers(model: nn.Module, config: TrainConfig) -> None:
+    """Selective activation checkpointing (every ``k``-th decoder layer recomputes, the others keep
+    their activations) and an optional ``torch.compile`` of each layer's forward (the FSDP hooks
+    and the checkpoint wrapper stay outside the compiled region)."""
+    layers = decoder_layers(model)
+    every = config.checkpoint_every_k_layers
+    if every > 1:
+        for i, layer in enumerate(layers):
+            if hasattr(layer, "gradient_checkpointing") and layer.gradient_checkpointing:
+                layer.gradient_checkpointing = i % every == 0
+    if config.compile_layers:
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward)
+
+
+def sharded_policy(config: TrainConfig, dist: Dist, vision: VisionSettings | None = None) -> Policy:
+    """The FSDP2-sharded policy. A text model is built on ``meta`` and each rank reads only its
+    shards from the safetensors files (``loading.py``); a model whose checkpoint names differ from
+    its modules (a vision model) is loaded whole on every rank, then sharded."""
+    checkpointing = activation_checkpointing(config, dist.device)
+    attn = packed_attention_for(config.model, pick_attn_implementation(config.attn_implementation, dist.device))
+    param_dtype = compute_dtype(config, dist.device)
+    make = dict(temperature=config.temperature, chunk_size=config.logprob_chunk_size, vision=vision)
+    if vision is None and config.model_dtype == "float32" and config.sharded_load:
+        meta = loading.build_meta_model(config.model, attn_implementation=attn)
+        keys = loading.checkpoint_index(config.model)
+        if loading.checkpoint_keys_match(meta, keys):
+            policy = Policy(prepare_for_training(meta, checkpointing), **make)
+            tune_layers(meta, config)
+            shard_policy(policy, dist, param_dtype=param_dtype)
+            loading.materialize(policy, dist.device)
+            loading.load_shards(policy.model, config.model, keys)
+            return policy
+    model = load_causal_lm(config.model, dtype=config.model_dtype, gradient_checkpointing=checkpointing,
+                           attn_implementation=attn)
+    policy = Policy(model, **make)
+    tune_layers(model, config)
+    if dist.device.type != "cpu":
+        policy.to(dist.device)
+    return shard_policy(policy, dist, param_dtype=param_dtype)
 
 
 def policy_inputs(mb: MicroBatch) -> dict[str, torch.Tensor | None]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import attention
 from .logprobs import token_logprobs_and_entropy
 from .vision import VISION_MODEL_TYPES, VisionSettings, dummy_pixels, packed_rope_positions
 
@@ -112,8 +113,18 @@ class Policy(nn.Module):
         banned = None
         with autocast:
             if self.vision is None:
+                extra = {}
+                impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+                if impl in attention.PACKED:  # sample boundaries, once per forward
+                    if attention_mask is not None:  # right padding only: causal attention never reaches it
+                        m = attention_mask.bool()
+                        if bool((m[..., 1:] & ~m[..., :-1]).any()):
+                            raise ValueError(f"{impl} needs packed or right-padded rows, not left or inner padding")
+                        attention_mask = None
+                    extra[attention.LAYOUT_KWARG] = attention.packed_layout(position_ids, impl)
                 hidden = self.body(
-                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    **extra,
                 ).last_hidden_state
             else:
                 hidden = self._vision_body(input_ids, attention_mask, position_ids, pixel_values, image_grid_thw,
@@ -174,15 +185,9 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def pick_attn_implementation(preference: str, device: torch.device) -> str | None:
-    """``auto``: flash-attention 2 (varlen over packed samples) on CUDA when installed, else sdpa."""
-    if preference != "auto":
-        return preference
-    if device.type == "cuda":
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-    return "sdpa"
+    """``auto``: flash-attention 2 (varlen) on CUDA when installed, else FlexAttention with a
+    document block mask on CUDA, else one SDPA per sample (``attention.pick``)."""
+    return attention.pick(preference, device)
 
 
 def load_causal_lm(
@@ -201,11 +206,17 @@ def load_causal_lm(
         from transformers import AutoModelForImageTextToText as auto  # Qwen2_5_VLForConditionalGeneration
 
     torch_dtype = getattr(torch, dtype)
+    attn_implementation = packed_attention_for(model_dir, attn_implementation)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         model = auto.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True, **extra)
     except TypeError:  # transformers < 4.56 spells it torch_dtype
         model = auto.from_pretrained(model_dir, torch_dtype=torch_dtype, local_files_only=True, **extra)
+    return prepare_for_training(model, gradient_checkpointing)
+
+
+def prepare_for_training(model: nn.Module, gradient_checkpointing: bool = False) -> nn.Module:
+    """No KV cache; activation checkpointing per decoder layer (non-reentrant) when asked."""
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
@@ -217,6 +228,16 @@ def load_causal_lm(
     if text_config is not None:
         text_config.use_cache = False
     return model
+
+
+def packed_attention_for(model_dir: str, attn_implementation: str | None) -> str | None:
+    """The implementation a model folder runs: the packed ones are registered with transformers
+    first; a vision model keeps sdpa (its M-RoPE positions and vision tower take the mask path)."""
+    if attn_implementation in attention.PACKED:
+        if _model_type(model_dir) in VISION_MODEL_TYPES:
+            return "sdpa"
+        attention.register()
+    return attn_implementation
 
 
 def _model_type(model_dir: str) -> str | None:

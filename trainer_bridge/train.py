@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from . import distributed
+from . import distributed, export
 from .advantages import episode_loss_weights, group_advantages
 from .agreement import EXIT_CODE as AGREEMENT_EXIT_CODE
 from .agreement import AgreementError, AgreementGate
@@ -306,6 +306,19 @@ def full_state_dict(learner: Learner) -> dict[str, torch.Tensor]:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
 
 
+def publish_dir(learner: Learner, config: TrainConfig, path: Path, engine_dtype: str | None) -> None:
+    """Collective: write the step's weights to ``path`` (rank 0). A text model goes through
+    ``export.save_engine_dir`` (engine dtype on device, bucket by bucket, a tied head once); a
+    vision model through transformers' ``save_pretrained`` (its checkpoint key conversion)."""
+    if learner.vision is None:
+        export.save_engine_dir(learner.policy.model, learner.dist, config.model, path, dtype=engine_dtype,
+                               bucket_mb=config.export_bucket_mb)
+        return
+    weights = full_state_dict(learner)
+    distributed.on_main(learner.dist, lambda: save_hf_dir(learner.policy.model, config.model, path, dtype=engine_dtype,
+                                                          state_dict=weights))
+
+
 def peak_memory(dist: Dist) -> dict[str, float]:
     """This process's peak RSS (and peak CUDA allocation), in MB."""
     out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -391,15 +404,15 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
             # A broadcast publish needs no directory: each tensor is gathered from the shards as
             # its bucket is sent (memory bounded by a bucket). The last step is still saved.
             save_dir = not streamed or step == config.steps
-            weights = full_state_dict(learner) if save_dir else {}
+            # -- weights out (export.py): gathered in the engine dtype, rank 0 writes bucket by bucket
+            if save_dir:
+                publish_dir(learner, config, path, engine_dtype)
             dtype = getattr(torch, engine_dtype) if engine_dtype else None
             # Collective on every rank: all of them gather each tensor, rank 0 alone sends it.
             named = full_tensors(learner.policy.model, dtype=dtype) if streamed else iter(())
 
             def publish() -> None:
                 nonlocal publisher
-                if save_dir:
-                    save_hf_dir(learner.policy.model, config.model, path, dtype=engine_dtype, state_dict=weights)
                 if streamed:  # docs/weight_transfer.md
                     if publisher is None:
                         publisher = TrainerPublisher(client, bucket_mb=config.bucket_mb, master_address=config.master_address, dtype=dtype)
@@ -418,7 +431,6 @@ def train(config: TrainConfig, client: Any = None) -> list[dict[str, Any]]:
                 for _ in named:  # rank 0 gathers the same tensors while it sends them
                     pass
             distributed.on_main(dist, publish)
-            weights = {}  # drop the gathered copy before the checkpoint
             t2 = time.perf_counter()
             every = config.checkpoint_every
             if every and (step % every == 0 or step == config.steps):

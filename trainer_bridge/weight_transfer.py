@@ -279,14 +279,12 @@ def full_tensors(model: torch.nn.Module, *, dtype: torch.dtype | None = None) ->
     collective: every rank must iterate this to the end in the same order, and only rank 0
     sends. ``dtype``: the engine's dtype (cast as each tensor is produced, so memory stays
     bounded by a bucket)."""
-    for name, p in model.named_parameters():
-        t = p.detach()
-        full = getattr(t, "full_tensor", None)
-        if callable(full):
-            t = full()
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        yield name, t
+    from .export import engine_tensors  # each shard cast on its device before the gather
+
+    params = {name for name, _ in model.named_parameters()}
+    for name, t in engine_tensors(model, dtype):
+        if name in params:
+            yield name, t
 
 
 def choose_transfer(statuses: list[dict], requested: str = "auto") -> str:

@@ -1,4 +1,5 @@
-"""``splice bench train``: the trainer at world size 1 and 2 on this machine (CPU, gloo).
+"""``splice bench train``: the trainer at world size 1 and 2 on this machine (CPU, gloo);
+``--gpu``: on one CUDA device beside a hand-written baseline (``trainer_bridge.bench_gpu``).
 
 Builds a randomly initialised Qwen3-architecture model (``--hidden``/``--layers``/``--vocab``),
 then for each world size runs ``trainer_bridge.bench`` (one process, or ``torchrun`` with N
@@ -29,13 +30,19 @@ def add_parser(sub) -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--samples", type=int, default=12, help="samples in the batch")
+    p.add_argument("--samples", type=int, default=None, help="samples in the batch (default 12; --gpu: 16 of 2k-16k tokens)")
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=8000)
     p.add_argument("--steps", type=int, default=2, help="training steps per run (tokens/s from the last)")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--model", help="an existing HF model directory instead of a random one")
     p.add_argument("--out")
+    p.add_argument("--gpu", action="store_true",
+                   help="one CUDA device: Qwen3-shaped random models at the real vocabulary, the trainer beside a "
+                        "hand-written transformers baseline, MFU, peak memory split, publish s/GB, attention kernels")
+    p.add_argument("--gpu-models", default="0.6b,4b", help="--gpu: model shapes (0.6b, 1.7b, 4b)")
+    p.add_argument("--gpu-args", default="", help="--gpu: extra arguments for python -m trainer_bridge.bench_gpu, "
+                                                  "e.g. '--attn splice_flex --ac-every 2'")
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -63,7 +70,51 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def run_gpu(args) -> dict:
+    """``--gpu``: ``trainer_bridge.bench_gpu`` in a child process, then its table."""
+    import shlex
+
+    with tempfile.TemporaryDirectory(prefix="splice-bench-gpu-") as tmp:
+        out = Path(tmp) / "gpu.json"
+        cmd = [sys.executable, "-m", "trainer_bridge.bench_gpu", "--out", str(out), "--models", args.gpu_models,
+               "--samples", str(args.samples or 16), "--micro-batch-tokens", str(args.micro_batch_tokens),
+               *shlex.split(args.gpu_args)]
+        proc = subprocess.run(cmd, env=_env(os.cpu_count() or 1), capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            raise SystemExit(f"bench_gpu failed:\n{proc.stderr[-4000:]}")
+        result = json.loads(out.read_text())
+    print_gpu_table(result)
+    return result
+
+
+def print_gpu_table(result: dict) -> None:
+    peak = result.get("peak_flops")
+    print(f"device: {result['device']} (torch {result['torch']}), dense bf16 peak "
+          f"{peak / 1e12:,.0f} TFLOP/s" if peak else f"device: {result['device']}")
+    att = result.get("attention_ms") or {}
+    if att:
+        kernels = [k for k in att if not k.endswith(("_error", "_layout_build"))]
+        print("attention, one packed row, forward + backward (ms): "
+              + ", ".join(f"{k} {att[k]:.2f}" for k in kernels))
+    print(f"{'model':>6} {'run':>9} {'tokens/s':>9} {'MFU 6N':>7} {'+attn':>6} {'fwd/bwd GiB':>11} {'optim GiB':>9}"
+          f" {'publish s':>9} {'s/GB':>5}")
+    for run in result["runs"]:
+        for name in ("trainer", "baseline"):
+            r = run.get(name)
+            if r is None:
+                continue
+            if "tokens_per_s" not in r:
+                print(f"{run['model']:>6} {name:>9} failed: {r.get('error')}")
+                continue
+            pub = f"{r['publish_s']:>9.2f} {r['publish_s'] / r['publish_gb']:>5.2f}" if "publish_s" in r else ""
+            print(f"{run['model']:>6} {name:>9} {r['tokens_per_s']:>9,.0f} {r.get('mfu_6n', 0):>7.1%}"
+                  f" {r.get('mfu_6n_attn', 0):>6.1%} {r['peak_fwd_bwd_gib']:>11.1f} {r['peak_optim_gib']:>9.1f} {pub}")
+
+
 def run(args) -> dict:
+    if getattr(args, "gpu", False):
+        return run_gpu(args)
+    args.samples = args.samples or 12
     with tempfile.TemporaryDirectory(prefix="splice-bench-train-") as tmp:
         model, n_params = args.model, None
         if model is None:
