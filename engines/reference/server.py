@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from . import sglang_api, vllm_api, vllm_generate_api, weight_api
 from .generator import Worker
-from .lm import load_language_model
+from .models import load_language_model
 from .model_init import IM_END_ID
 from .prefix_cache import DEFAULT_MAX_MB, PrefixCache
 from .script import Script, load_script

@@ -21,7 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .model_init import TOKENIZER_FILES, tokenizer_files_dir
+from .qwen_files import TOKENIZER_FILES, tokenizer_files_dir
 
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen_vl_chat_template.jinja"
 
@@ -115,7 +115,7 @@ def init_vision_model(
     import transformers
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from .model_init import ENDOFTEXT_ID, IM_END_ID, QWEN3_VOCAB_SIZE
+    from .qwen_files import ENDOFTEXT_ID, IM_END_ID, QWEN3_VOCAB_SIZE
 
     transformers.utils.logging.disable_progress_bar()
     out = Path(out_dir)

@@ -71,7 +71,7 @@ def test_engine_still_serves_after_errors(vengine, prompt, images):
 
 def test_model_checks_each_span_against_the_processor_count(vision_dir, images):
     """Backstop below the HTTP checks: spans that disagree with the processor's count are refused."""
-    from engines.reference.lm import load_language_model
+    from engines.reference.models import load_language_model
     from engines.reference.vision import ImageInputError, ImageProcessor, ImageSpan
 
     lm = load_language_model(vision_dir)

@@ -112,7 +112,7 @@ def test_the_same_image_is_processed_once(vision_dir, images, oracle):
 
     from PIL import Image
 
-    from engines.reference.lm import load_language_model
+    from engines.reference.models import load_language_model
     from engines.reference.vision import ImageProcessor
 
     proc = ImageProcessor(load_language_model(vision_dir).vision)
