@@ -110,6 +110,8 @@ class Guard:
         self.settings = settings
         self.metrics = metrics
         self.admission = Admission(settings.max_inflight, settings.admission_wait_s, metrics)
+        # /metrics is open on loopback (a local Prometheus); beyond it, it takes the admin token
+        self.metrics_open = auth.is_loopback_host(settings.host)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -201,7 +203,8 @@ class Guard:
                 x_api_key = v.decode("latin-1")
             elif k == b"content-length":
                 length = v
-        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token, x_api_key=x_api_key, reward_token=s.reward_token)
+        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token, x_api_key=x_api_key, reward_token=s.reward_token,
+                   metrics_open=self.metrics_open)
         if length is not None and (not length.isdigit() or int(length) > s.max_request_bytes):
             if not length.isdigit():
                 raise APIError(400, "invalid Content-Length header", code="invalid_request")
