@@ -48,6 +48,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-request-bytes", type=int, help="largest request body accepted (default 32 MiB)")
     p.add_argument("--max-header-bytes", type=int, help="largest request line + headers accepted (default 64 KiB; larger: 431)")
     p.add_argument("--header-timeout-s", type=float, help="time a client has to send its request headers (default 10; then 408)")
+    p.add_argument("--body-timeout-s", type=float, help="time a client has to send its whole request body after the headers "
+                                                        "(default 60; then 408); a turn takes an admission slot only once its body is read")
     p.add_argument("--allow-image-urls", action="store_true", default=None,
                    help="fetch http(s) image URLs in requests (default: only inline base64 images; a URL is a 400)")
     p.add_argument("--max-image-bytes", type=int, help="largest encoded image accepted, inline or fetched (default 20 MiB)")
