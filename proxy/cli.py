@@ -56,6 +56,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-image-pixels", type=int, help="largest decoded image, width x height (default 50,000,000)")
     p.add_argument("--max-images-per-request", type=int, help="image parts one request may carry, history included (default 64)")
     p.add_argument("--image-fetch-timeout-s", type=float, help="time limit to fetch one image URL (default 10)")
+    p.add_argument("--image-url-allow-net", action="append", metavar="CIDR",
+                   help="repeatable: a network image URLs may be fetched from although it is not public (default: public "
+                        "addresses only; loopback, private, link-local and multicast ones are refused)")
+    p.add_argument("--max-request-image-pixels", type=int, help="pixels of one request's images together (default 256,000,000)")
+    p.add_argument("--image-decode-concurrency", type=int, help="image decodes at once in the whole proxy (default 2)")
     p.add_argument("--reference-model", metavar="DIR", help="model dir for the bundled engine (created if missing)")
     p.add_argument("--reference-script", metavar="FILE")
     p.add_argument("--reference-script-delay-ms", type=int)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -65,8 +65,21 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(default=50_000_000, ge=1)  # one decoded image: width x height (decompression bombs)
     max_images_per_request: int = Field(default=64, ge=0)  # image parts in one request, history included
     image_fetch_timeout_s: float = Field(default=10.0, gt=0)  # total time to fetch one image URL
+    # Fetched only from public addresses (after DNS resolution, on every redirect), or from these networks (CIDR).
+    image_url_allow_net: list[str] = Field(default_factory=list)
+    max_request_image_pixels: int = Field(default=256_000_000, ge=1)  # one request's images together (decode CPU)
+    image_decode_concurrency: int = Field(default=2, ge=1)  # decodes at once, proxy-wide (each holds its pixels ~3x)
     image_cache_entries: int = Field(default=1024, ge=1)  # decoded images remembered (agents resend history images)
     image_cache_bytes: int = Field(default=512 * 1024 * 1024, ge=0)  # encoded bytes the decode cache may hold
     reference_model: str | None = None  # model dir for the bundled engine (created if missing)
     reference_script: str | None = None  # script file for the bundled engine
     reference_script_delay_ms: int = 0
+
+    @field_validator("image_url_allow_net")
+    @classmethod
+    def _networks(cls, values: list[str]) -> list[str]:
+        import ipaddress
+
+        for v in values:
+            ipaddress.ip_network(v.strip(), strict=False)  # ValueError: pydantic names the field
+        return values
