@@ -42,6 +42,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--recompute-concurrency", type=int, help="R2 prefill-only calls in flight per engine replica (default 2)")
     p.add_argument("--max-staleness", type=int, metavar="K", help="a pull drops samples holding loss tokens older than current version - K (default: off)")
     p.add_argument("--max-pause-s", type=float, help="a pause nobody resumes is lifted after this many seconds (default 600): held agent turns never wait longer")
+    p.add_argument("--transfer-deadline-s", type=float,
+                   help="an engine out of rotation for a weight transfer with no join, bucket or commit for this long is abandoned: "
+                        "reloaded from disk when the current weights are on disk, else kept out with that status (default 600)")
     p.add_argument("--engine-timeout-s", type=float, help="total deadline of one engine call, in seconds (default 600)")
     p.add_argument("--max-inflight", type=int, help="turns in flight before new ones wait (default: 128 per CPU core, 256-4096)")
     p.add_argument("--admission-wait-s", type=float, help="how long a turn beyond --max-inflight waits before 429 (default 2)")
@@ -147,7 +150,7 @@ def _build_proxy(settings: Settings, urls: list[str], tokenizer_path: str | None
     fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention, vision=vision)
     pool = EnginePool(
         kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s, routing=settings.routing,
-        prefill_concurrency=settings.recompute_concurrency,
+        prefill_concurrency=settings.recompute_concurrency, transfer_deadline_s=settings.transfer_deadline_s,
     )  # fmt: skip
     return settings, fmt, pool
 

@@ -51,6 +51,7 @@ class Settings(BaseSettings):
     recompute_concurrency: int = Field(default=2, ge=1)
     # A pull never hands out a sample holding loss tokens older than current version - K (None: off).
     max_staleness: int | None = Field(default=None, ge=0)
+    transfer_deadline_s: float = Field(default=600.0, gt=0)  # a weight transfer with no join / bucket / commit this long is abandoned
     max_pause_s: float = Field(default=600.0, gt=0)  # a pause nobody resumes is lifted after this (held turns go on)
     max_request_bytes: int = 32 * 1024 * 1024
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)  # request line + headers; larger is a 431
