@@ -87,3 +87,24 @@ def test_concurrent_decodes_are_bounded_proxy_wide(spec):  # noqa: F811
     finally:
         slots.inner.release()
         slots.inner.release()
+
+
+def test_peak_memory_is_the_decode_slots_times_one_image():
+    """``proxy.bench.image_memory`` in fresh processes (real decodes, the proxy's own image path):
+    4 requests at once with one decode slot peak like one image, not like four, and hold
+    nothing after; two slots peak like two images. Relative to one image, so not a timing."""
+    import json
+    import subprocess
+    import sys
+
+    def peak(n: int, c: int) -> dict:
+        out = subprocess.run([sys.executable, "-m", "proxy.bench.image_memory", "--child", "--n", str(n), "--pixels", "25000000",
+                              "--concurrency", str(c)], capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    one = peak(1, 1)["peak_mb"]
+    assert one > 25_000_000 * 10 / 2**20  # a 5000 x 5000 decode really ran (~13.4 bytes per pixel)
+    four = peak(4, 1)
+    assert four["peak_mb"] < 1.3 * one, (one, four)  # four at once would be ~4x; retained heaps were 2.7x
+    assert four["held_mb"] < 0.2 * one, (one, four)
+    assert peak(4, 2)["peak_mb"] < 2.3 * one
