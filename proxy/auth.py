@@ -106,6 +106,13 @@ def check(
     )
 
 
+def local_admin_headers() -> dict[str, str]:
+    """``Authorization`` for a ``splice serve`` on this machine started without ``--admin-token``
+    (``$SPLICE_ADMIN_TOKEN`` if set, else the token file, created now if missing): benches use it."""
+    token = os.environ.get("SPLICE_ADMIN_TOKEN") or load_or_create_admin_token()[0]
+    return {"Authorization": f"Bearer {token}"}
+
+
 def is_loopback_host(host: str) -> bool:
     """A listen address only this machine can reach (``localhost``, 127/8, ``::1``)."""
     if host == "localhost":
