@@ -110,3 +110,27 @@ def test_metrics_beyond_loopback_take_the_admin_token():
     with pytest.raises(APIError):
         check("/metrics", "Bearer agent", api_key="agent", admin_token="admin", metrics_open=False)
     check("/metrics", "Bearer admin", api_key=None, admin_token="admin", metrics_open=False)
+
+
+def test_a_proxy_beyond_loopback_guards_metrics(tmp_path):
+    """The app's own middleware: /metrics takes the admin token once the listen host is not
+    loopback; /health stays open."""
+    import asyncio
+
+    import httpx
+
+    from proxy.app import create_app
+    from proxy.settings import Settings
+    from tests.fakes.engines import FixedPool
+    from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir
+
+    fmt = ChatFormat(load_tokenizer(str(qwen3_tokenizer_dir())), "qwen3")
+
+    async def status(host: str, headers: dict) -> tuple[int, int]:
+        app = create_app(Settings(store=str(tmp_path / f"{host}.sqlite"), host=host, admin_token="adm"), fmt=fmt, pool=FixedPool([1]))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get("/metrics", headers=headers)).status_code, (await c.get("/health")).status_code
+
+    assert asyncio.run(status("127.0.0.1", {})) == (200, 200)
+    assert asyncio.run(status("0.0.0.0", {})) == (401, 200)
+    assert asyncio.run(status("0.0.0.0", {"Authorization": "Bearer adm"})) == (200, 200)
