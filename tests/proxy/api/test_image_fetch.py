@@ -16,7 +16,7 @@ import pytest
 from proxy.api.image_fetch import FETCH_FAILED, RefusedAddress, resolve_checked
 from proxy.api.images import ImageInput
 from proxy.errors import APIError
-from tests.proxy.api.test_images_input import SHOT, chat_image, png  # noqa: F401 - fixtures below
+from tests.proxy.api.test_images_input import SHOT
 from tests.proxy.api.test_images_input import folder, spec  # noqa: F401
 from proxy.api.chat import messages_to_conversation as chat_messages
 from tokenization.vision import decode_image
