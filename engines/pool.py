@@ -83,6 +83,11 @@ class Replica:
     # engine then reports ``target_version``.
     out_of_rotation: str | None = None
     target_version: int | None = None
+    # The transfer that took it out: when this proxy last heard of it (begin, join, a bucket;
+    # time.monotonic()), and whether its weights may have started changing (a join or a bucket
+    # was issued, or a commit listed it as failed). None: no transfer pending.
+    transfer_seen: float | None = None
+    transfer_touched: bool = False
     epoch: int = 0  # bumped each time the replica comes back after being down (it may have restarted)
 
     @property
@@ -129,6 +134,7 @@ class EnginePool:
         routing: str = "hash",
         sticky_capacity: int = 100_000,
         prefill_concurrency: int = 2,
+        transfer_deadline_s: float = 600.0,
     ):
         kind = "sglang" if kind == "reference" else kind  # the reference engine speaks SGLang's API
         if kind not in ("sglang", "vllm"):
@@ -173,6 +179,11 @@ class EnginePool:
         self.prefill_concurrency = int(prefill_concurrency)  # R2 prefills in flight per replica
         self._prefill_slots: dict[str, asyncio.Semaphore] = {}
         self.prefill_calls = 0  # R2 prefill-only calls sent (counted for /metrics and benches)
+        # A weight transfer with no news (no join, bucket or commit) for this long is abandoned:
+        # see expire_transfers. ``_transfer``: the version and engine ids of the latest begin.
+        self.transfer_deadline_s = float(transfer_deadline_s)
+        self.expired_transfers = 0
+        self._transfer: tuple[int, frozenset[str]] | None = None
         self.prefill_tokens = 0  # tokens those calls sent
 
     # -- state ----------------------------------------------------------------------------------
@@ -258,6 +269,8 @@ class EnginePool:
             # replicas whose weight transfer began and did not complete: no traffic until a
             # complete publish (docs/weight_transfer.md)
             "out_of_rotation": {r.id: r.out_of_rotation for r in self._replicas.values() if r.out_of_rotation is not None},
+            "expired_transfers": self.expired_transfers,
+            "transfer_deadline_s": self.transfer_deadline_s,
             # per replica: the engine's stable identity (what a fleet publish deduplicates on)
             # and the weight version the engine last reported
             "engine_replicas": [
@@ -697,7 +710,7 @@ class EnginePool:
                 loaded.append(r.id)
             r.version = int(version)
             r.stale = False
-            r.out_of_rotation = r.target_version = None  # whole weights again
+            _back_in_rotation(r)  # whole weights again
 
         if self.kind == "vllm" and self._info.tied_lm_head and not self._info.worker_extension:
             log.warning("vLLM update_weights(%r): %s", model_path, TIED_HEAD_WARNING)
@@ -728,6 +741,9 @@ class EnginePool:
     async def init_weights_group(self, engine: str, group: WeightGroup) -> None:
         """Make the engine join ``group`` (the trainer joins as rank 0 meanwhile)."""
         r = self._by_id(engine)
+        if r.transfer_seen is not None:  # joining is part of the pending transfer: news of it
+            r.transfer_seen = time.monotonic()
+            r.transfer_touched = True
         try:
             await r.client.init_weights_group(group)
         except EngineError as exc:
@@ -743,11 +759,16 @@ class EnginePool:
         """Take the replicas of ``engines`` (those this proxy has) out of rotation before their
         weights start changing; returns their ids. A complete transfer puts them back."""
         wanted = {engine_id(e) for e in engines}
+        self._transfer = (int(version), frozenset(wanted))
         marked = []
+        now = time.monotonic()
         for r in self._replicas.values():
             if r.id in wanted:
                 r.out_of_rotation = f"receiving weights v{int(version)}"
                 r.target_version = int(version)
+                if r.transfer_seen is None:
+                    r.transfer_touched = False
+                r.transfer_seen = now
                 marked.append(r.id)
         return marked
 
@@ -757,6 +778,8 @@ class EnginePool:
         r = self._by_id(engine)
         r.out_of_rotation = r.out_of_rotation or f"receiving weights v{batch.version}"
         r.target_version = batch.version
+        r.transfer_seen = time.monotonic()
+        r.transfer_touched = True  # whatever the engine answers, its weights may have begun to change
         try:
             await r.client.update_weights_from_distributed(batch)
         except EngineError as exc:
@@ -767,26 +790,75 @@ class EnginePool:
         if batch.final:
             r.version = batch.version
             r.stale = False
-            r.out_of_rotation = r.target_version = None
+            _back_in_rotation(r)
 
-    def commit_transfer(self, version: int, updated: list[str], failed: dict[str, str]) -> None:
+    def commit_transfer(self, version: int, updated: list[str], failed: dict[str, str]) -> dict[str, list[str]]:
         """After a fleet transfer: engines in ``updated`` serve ``version`` (back in rotation),
-        those in ``failed`` stay out with the reason. V becomes ``version`` when any engine of
-        the fleet has it; the weights of V live on no filesystem, so a stale replica is no
-        longer reloaded from an older path."""
-        ok = {engine_id(e) for e in updated}
-        bad = {engine_id(e): why for e, why in failed.items()}
+        those in ``failed`` stay out with the reason. V becomes ``version`` when an engine of
+        this transfer has it; the weights of V live on no filesystem, so a stale replica is no
+        longer reloaded from an older path.
+
+        An engine counts only if it is one of this proxy's or was named by the ``begin`` of this
+        version (a fleet's commit names every engine of the fleet); others are returned as
+        ``ignored``, and a commit naming none at all is a ``ValueError``: a stray or mistaken
+        commit never moves the version."""
+        known = {r.id for r in self._replicas.values()}
+        if self._transfer is not None and self._transfer[0] == int(version):
+            known |= self._transfer[1]
+        ok = {engine_id(e) for e in updated} & known
+        bad = {engine_id(e): why for e, why in failed.items() if engine_id(e) in known}
+        ignored = sorted({engine_id(e) for e in [*updated, *failed]} - known)
+        if not ok and not bad:
+            raise ValueError(
+                f"the commit of v{int(version)} names no engine of this proxy or of a transfer of v{int(version)} begun here "
+                f"(it names {ignored or 'none'}; this proxy's engines are {sorted(r.id for r in self._replicas.values())})"
+            )
+        now = time.monotonic()
         for r in self._replicas.values():
             if r.id in ok:
                 r.version = int(version)
                 r.stale = False
-                r.out_of_rotation = r.target_version = None
+                _back_in_rotation(r)
             elif r.id in bad:
                 r.out_of_rotation = f"the transfer of v{int(version)} did not complete: {bad[r.id]}"
                 r.target_version = int(version)
+                r.transfer_seen = now
+                r.transfer_touched = True
         if ok:
             self._version = int(version)
             self._model_path = None
+        return {"ignored": ignored}
+
+    def expire_transfers(self, now: float | None = None) -> list[str]:
+        """Replicas out of rotation for a transfer with no news for ``transfer_deadline_s``.
+
+        Their weights may be mixed (a fleet's other proxies may have sent buckets this one never
+        saw), so none goes back as it is. When V's weights are on disk (the last publish was a
+        load from a path), the replica is marked stale and reloaded from that path by the health
+        check, then serves again; otherwise it stays out, its status saying the transfer was
+        abandoned and that a publish brings it back. Logged once (WARNING) and counted."""
+        now = time.monotonic() if now is None else now
+        expired = []
+        for r in self._replicas.values():
+            if r.out_of_rotation is None or r.transfer_seen is None or now - r.transfer_seen < self.transfer_deadline_s:
+                continue
+            target = r.target_version
+            r.transfer_seen = None  # expired once
+            self.expired_transfers += 1
+            expired.append(r.id)
+            if self._model_path is not None:
+                log.warning("the weight transfer of v%s to %s was abandoned (no news for %g s): reloading v%d from %s",
+                            target, r.url, self.transfer_deadline_s, self._version, self._model_path)  # fmt: skip
+                _back_in_rotation(r)
+                r.stale = True  # not routed to until the health check reloads the path
+                continue
+            touched = "its weights may be mixed" if r.transfer_touched else "its weights may be mixed (another proxy may have sent buckets)"
+            r.out_of_rotation = (
+                f"the transfer of v{target} was abandoned: no join, bucket or commit for {self.transfer_deadline_s:g} s; "
+                f"{touched}; a publish (a disk load or a new transfer) brings it back"
+            )
+            log.warning("engine replica %s stays out of rotation: %s", r.url, r.out_of_rotation)
+        return expired
 
     async def _lift_completed(self, *, force: bool = False) -> None:
         """Put back in rotation a replica whose engine now reports the version its interrupted
@@ -800,7 +872,7 @@ class EnginePool:
             if now == r.target_version and (force or not self._paused):
                 log.info("engine replica %s completed v%d: back in rotation", r.url, now)
                 r.version = now
-                r.out_of_rotation = r.target_version = None
+                _back_in_rotation(r)
 
     async def health(self) -> dict[str, bool]:
         """Probe every replica now; returns and records ``{url: healthy}``."""
@@ -856,10 +928,16 @@ class EnginePool:
                     if r.stale and r.healthy and not self._paused and r.out_of_rotation is None:
                         await self._resync(r)
                 await self._lift_completed()
+                self.expire_transfers()
                 if not self._paused:
                     await self._poll_versions()
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("engine health check failed")
+
+
+def _back_in_rotation(r: Replica) -> None:
+    r.out_of_rotation = r.target_version = r.transfer_seen = None
+    r.transfer_touched = False
 
 
 def _agreed(versions: list[int | None]) -> int | None:

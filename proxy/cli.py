@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
+import hmac
 import logging
 import os
 import sys
@@ -23,7 +23,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--store", metavar="PATH")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--admin-token", help="the trainer's credential: pulls, /admin, session listing / reading / rewards")
+    p.add_argument("--admin-token", help="the trainer's credential: pulls, /admin, session listing / reading / rewards "
+                                          "(default: generated once into $SPLICE_HOME/admin_token, mode 0600, where "
+                                          "splice train / publish / export on this machine find it)")
     p.add_argument("--api-key", help="the agents' credential (Responses, Chat, Messages); never opens a trainer route")
     p.add_argument("--reward-token", help="a grader's credential: rewards and session listing / reading only")
     p.add_argument("--no-ui", dest="ui", action="store_false", default=None,
@@ -44,12 +46,17 @@ def _serve_parser(sub) -> None:
     p.add_argument("--recompute-concurrency", type=int, help="R2 prefill-only calls in flight per engine replica (default 2)")
     p.add_argument("--max-staleness", type=int, metavar="K", help="a pull drops samples holding loss tokens older than current version - K (default: off)")
     p.add_argument("--max-pause-s", type=float, help="a pause nobody resumes is lifted after this many seconds (default 600): held agent turns never wait longer")
+    p.add_argument("--transfer-deadline-s", type=float,
+                   help="an engine out of rotation for a weight transfer with no join, bucket or commit for this long is abandoned: "
+                        "reloaded from disk when the current weights are on disk, else kept out with that status (default 600)")
     p.add_argument("--engine-timeout-s", type=float, help="total deadline of one engine call, in seconds (default 600)")
     p.add_argument("--max-inflight", type=int, help="turns in flight before new ones wait (default: 128 per CPU core, 256-4096)")
     p.add_argument("--admission-wait-s", type=float, help="how long a turn beyond --max-inflight waits before 429 (default 2)")
     p.add_argument("--max-request-bytes", type=int, help="largest request body accepted (default 32 MiB)")
     p.add_argument("--max-header-bytes", type=int, help="largest request line + headers accepted (default 64 KiB; larger: 431)")
     p.add_argument("--header-timeout-s", type=float, help="time a client has to send its request headers (default 10; then 408)")
+    p.add_argument("--body-timeout-s", type=float, help="time a client has to send its whole request body after the headers "
+                                                        "(default 60; then 408); a turn takes an admission slot only once its body is read")
     p.add_argument("--allow-image-urls", action="store_true", default=None,
                    help="fetch http(s) image URLs in requests (default: only inline base64 images; a URL is a 400)")
     p.add_argument("--max-image-bytes", type=int, help="largest encoded image accepted, inline or fetched (default 20 MiB)")
@@ -57,6 +64,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-images-per-request", type=int, help="image parts one request may carry, history included (default 64)")
     p.add_argument("--image-fetch-timeout-s", type=float, help="time limit to fetch one image URL (default 10)")
     p.add_argument("--quiet", action="store_true", default=None, help="no line per finished turn, no progress lines")
+    p.add_argument("--image-url-allow-net", action="append", metavar="CIDR",
+                   help="repeatable: a network image URLs may be fetched from although it is not public (default: public "
+                        "addresses only; loopback, private, link-local and multicast ones are refused)")
+    p.add_argument("--max-request-image-pixels", type=int, help="pixels of one request's images together (default 256,000,000)")
+    p.add_argument("--image-decode-concurrency", type=int, help="image decodes at once in the whole proxy (default 2)")
     p.add_argument("--reference-model", metavar="DIR", help="model dir for the bundled engine (created if missing)")
     p.add_argument("--reference-script", metavar="FILE",
                    help="JSON list of replies the bundled engine emits instead of sampling; 'first-try': a short reply "
@@ -70,13 +82,28 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def resolve_admin_token(settings: Settings) -> tuple[Settings, str]:
+    """Settings with an admin token, and where it came from: the one given (flag or
+    ``SPLICE_ADMIN_TOKEN``), else the one in ``$SPLICE_HOME/admin_token``, generated if missing.
+    Raises ``SystemExit`` (one line) when the token file cannot be used or tokens collide."""
+    from .auth import TokenFileError, admin_token_file, load_or_create_admin_token
+
+    source = "as given"
+    if not settings.admin_token:
+        path = admin_token_file()
+        try:
+            token, created = load_or_create_admin_token(path)
+        except (TokenFileError, OSError) as exc:
+            raise SystemExit(f"splice serve: {exc} (or pass --admin-token)") from None
+        settings = settings.model_copy(update={"admin_token": token})
+        source = f"{'generated into' if created else 'read from'} {path}"
+    tokens = {"--api-key": settings.api_key, "--reward-token": settings.reward_token}
+    for flag, value in tokens.items():
+        if value is not None and hmac.compare_digest(value.encode(), settings.admin_token.encode()):
+            raise SystemExit(f"splice serve: {flag} equals the admin token; the trainer's credential must be its own")
+    if settings.api_key is not None and settings.api_key == settings.reward_token:
+        raise SystemExit("splice serve: --api-key equals --reward-token; an agent could then grade itself")
+    return settings, source
 
 
 def build(settings: Settings):
@@ -153,7 +180,7 @@ def _build_proxy(settings: Settings, urls: list[str], tokenizer_path: str | None
     fmt = ChatFormat(tok, name, thinking_retention=settings.thinking_retention, vision=vision)
     pool = EnginePool(
         kind, urls, model=settings.engine_model or "", timeout_s=settings.engine_timeout_s, routing=settings.routing,
-        prefill_concurrency=settings.recompute_concurrency,
+        prefill_concurrency=settings.recompute_concurrency, transfer_deadline_s=settings.transfer_deadline_s,
     )  # fmt: skip
     return settings, fmt, pool
 
@@ -192,42 +219,50 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if not _is_loopback(settings.host) and not settings.admin_token:
-        print(
-            f"refusing to bind {settings.host} without --admin-token: the pull and admin APIs would be open",
-            file=sys.stderr,
-        )
+    try:
+        settings, token_source = resolve_admin_token(settings)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
         return 2
     os.makedirs(os.path.dirname(os.path.abspath(settings.store)), exist_ok=True)
     _exit_on_sigterm()
     try:
-        return _serve(settings)
+        return _serve(settings, token_source)
     except KeyboardInterrupt:  # SIGINT / Ctrl-C: everything started has been stopped on the way out
         return 130
-    except _Terminated:
-        return 143
+    except _Terminated as exc:
+        return 128 + exc.signum
 
 
 class _Terminated(BaseException):
-    """SIGTERM (Docker, Kubernetes, systemd): unwinds like Ctrl-C, so every ``finally`` runs."""
+    """SIGTERM (Docker, Kubernetes, systemd) or SIGHUP (the terminal went away): unwinds like
+    Ctrl-C, so every ``finally`` runs; the exit status is 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _exit_on_sigterm() -> None:
     import signal
 
     def handler(signum, frame):
-        raise _Terminated()
+        raise _Terminated(signum)
 
     signal.signal(signal.SIGTERM, handler)
     if hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, handler)
 
 
-def _serve(settings: Settings) -> int:
+def _serve(settings: Settings, token_source: str = "as given") -> int:
     """Build, serve, and stop what was started. A SIGTERM or SIGINT while the engine starts, while
     serving (uvicorn shuts down gracefully, then re-raises the signal) or while shutting down
     unwinds through the ``finally`` blocks; the engine child also dies with this process if it is
     killed outright (``die_with_parent``)."""
+    import contextlib
+    import signal
+    import threading
+
     import uvicorn
 
     from .app import create_app
@@ -244,12 +279,26 @@ def _serve(settings: Settings) -> int:
     engines = ", ".join(redact_url(u) for u in (settings.engine_url or [_bundled_engine_words(settings)]))
 
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn shuts down gracefully on SIGINT / SIGTERM and re-raises them after; SIGHUP
+            the same way (without this it would land in whichever request task was running)."""
+            with super().capture_signals():
+                if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
+                    yield
+                    return
+                previous = signal.signal(signal.SIGHUP, self.handle_exit)
+                try:
+                    yield
+                finally:
+                    signal.signal(signal.SIGHUP, previous)
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started:  # bound and serving: say so once, with what a user needs next
                 print(
                     f"splice ready: agents {base}/v1 | admin {base}/admin | engine {settings.engine} at {engines} "
-                    f"| version {pool.version} | store {settings.store}",
+                    f"| version {pool.version} | store {settings.store} | admin token {token_source}",
                     flush=True,
                 )
 

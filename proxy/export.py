@@ -65,6 +65,8 @@ class ParquetDir:
         rows = 0
         try:
             for batch in batches:
+                if batch.num_rows == 0:  # nothing to write: no file holding only a schema
+                    continue
                 if writer is None:
                     writer = pq.ParquetWriter(tmp, schema(), compression="zstd")
                 writer.write_batch(batch)
@@ -96,11 +98,31 @@ def _read_stream(content: bytes, where: str) -> tuple[dict[str, str], list[pa.Re
     return meta, list(reader)
 
 
+def _check_is_store(path: str) -> None:
+    """Refuse a file that is not a splice store before ``Store`` opens it (which would create
+    the schema in it: an empty or foreign file is never written to)."""
+    import sqlite3
+    import urllib.parse
+
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
+    try:
+        con = sqlite3.connect(uri, uri=True)
+        try:
+            names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        raise SystemExit(f"{path} is not a splice store ({exc})") from None
+    if not {"sessions", "turns"} <= names:
+        raise SystemExit(f"{path} is not a splice store (no sessions / turns tables)")
+
+
 def export_store(path: str, out: Path, *, since: float | None, acked: bool) -> ParquetDir:
     from .store import Store
 
-    if not Path(path).exists():
+    if not Path(path).is_file():
         raise SystemExit(f"no store file at {path}")
+    _check_is_store(path)
     files = ParquetDir(out)
     with Store(path) as store:
         after = None
@@ -111,6 +133,15 @@ def export_store(path: str, out: Path, *, since: float | None, acked: bool) -> P
             files.write(chunks(store.pool.samples([sid for _, sid in rows])))
             after = rows[-1]
     return files
+
+
+def _error_message(r) -> str:
+    """The message of an OpenAI-shaped error body, on one line."""
+    try:
+        message = r.json()["error"]["message"]
+    except Exception:  # noqa: BLE001 - not our error shape
+        message = r.text
+    return " ".join(str(message).split())[:300]
 
 
 def export_proxy(url: str, out: Path, *, since: float | None, acked: bool, consume: bool, admin_token: str | None,
@@ -126,7 +157,7 @@ def export_proxy(url: str, out: Path, *, since: float | None, acked: bool, consu
 
         def answer(r: httpx.Response) -> tuple[dict[str, str], list[pa.RecordBatch]]:
             if r.is_error:
-                raise SystemExit(f"{r.request.method} {r.request.url}: HTTP {r.status_code}: {r.text[:500]}")
+                raise SystemExit(f"{r.request.method} {r.request.url.path}: HTTP {r.status_code}: {_error_message(r)}")
             if r.headers.get("content-type", "").split(";")[0] != ARROW_STREAM:
                 raise SystemExit(f"{base} did not answer an Arrow stream (content-type {r.headers.get('content-type')!r})")
             return _read_stream(r.content, base)
@@ -140,7 +171,7 @@ def export_proxy(url: str, out: Path, *, since: float | None, acked: bool, consu
                 files.write(iter(batches))  # complete on disk before the lease is acked
                 ack = http.post("/v1/trajectories/ack", json={"lease_id": lease})
                 if ack.is_error:
-                    raise SystemExit(f"ack of {lease} failed: HTTP {ack.status_code}: {ack.text[:500]}")
+                    raise SystemExit(f"ack of {lease} failed: HTTP {ack.status_code}: {_error_message(ack)}")
             return files
         cursor = None
         while True:
@@ -157,7 +188,54 @@ def export_proxy(url: str, out: Path, *, since: float | None, acked: bool, consu
     return files
 
 
+class ExportError(Exception):
+    """A failure the user can act on: reported as one line, exit status 2."""
+
+
+def _local_admin_token(url: str) -> str | None:
+    """The token a ``splice serve`` on this machine generated, for a loopback ``--proxy``."""
+    import urllib.parse
+
+    from .auth import TokenFileError, admin_token_file, is_loopback_host, read_token_file
+
+    if not is_loopback_host(urllib.parse.urlsplit(url).hostname or ""):
+        return None
+    try:
+        return read_token_file(admin_token_file())
+    except TokenFileError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Errors (no store, an unreachable or refusing proxy, a file that is not a store, an output
+    directory that cannot be written) are one line on stderr and exit status 2."""
+    import sqlite3
+
+    import httpx
+
+    try:
+        return _main(argv)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            raise  # argparse (usage errors already printed) or a plain exit
+        print(f"splice export: {exc.code}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:
+        print(f"splice export: cannot reach the proxy: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except sqlite3.Error as exc:
+        print(f"splice export: cannot read the store: {exc} (is it a splice store file?)", file=sys.stderr)
+        return 2
+    except pa.ArrowException as exc:
+        print(f"splice export: the answer is not a readable Arrow stream: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"splice export: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="splice export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--proxy", metavar="URL", help="a running proxy (reads GET /v1/trajectories/samples)")
@@ -166,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--since", type=parse_since, metavar="TIME", help="only sessions rewarded at or after TIME (unix s or ISO 8601)")
     ap.add_argument("--acked", action="store_true", help="also sessions the trainer already acked (default: not yet acked)")
     ap.add_argument("--consume", action="store_true", help="with --proxy: pull and ack like a trainer (samples are then gone from the pool)")
-    ap.add_argument("--admin-token", default=os.environ.get("SPLICE_ADMIN_TOKEN"), help="the proxy's admin token (env SPLICE_ADMIN_TOKEN)")
+    ap.add_argument("--admin-token", default=os.environ.get("SPLICE_ADMIN_TOKEN") or None,
+                    help="the proxy's admin token (default: env SPLICE_ADMIN_TOKEN, else, for a proxy on this machine, "
+                         "the token splice serve generated in $SPLICE_HOME/admin_token)")
     args = ap.parse_args(argv)
     if args.consume and not args.proxy:
         ap.error("--consume needs --proxy (a store file is read without leasing)")
@@ -176,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.store:
         files = export_store(args.store, out, since=args.since, acked=args.acked)
     else:
-        files = export_proxy(args.proxy, out, since=args.since, acked=args.acked, consume=args.consume, admin_token=args.admin_token)
+        token = args.admin_token or _local_admin_token(args.proxy)
+        files = export_proxy(args.proxy, out, since=args.since, acked=args.acked, consume=args.consume, admin_token=token)
     print(f"wrote {files.rows} samples in {len(files.files)} file(s) under {out}", file=sys.stderr)
     return 0

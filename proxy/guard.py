@@ -6,9 +6,14 @@ line of defence against anything unexpected.
   bytes actually read are counted too, so a chunked upload without a length cannot exceed it.
   The rest of an oversized upload is read and discarded (bounded) before the 413 goes out, so
   the client reads the 413 instead of a connection reset.
+- Body time: the whole body must arrive within ``body_timeout_s`` of the request reaching the
+  app (after its headers); else 408 and the connection is closed. A client that goes away
+  mid-body is an INFO line, not an error.
 - Admission: at most ``max_inflight`` turns (agent POSTs) run at once; a request beyond that
-  waits up to ``admission_wait_s`` for a slot (FIFO), then gets 429 with ``Retry-After``.
-  Visible in ``/metrics`` (``splice_admission_*``).
+  waits up to ``admission_wait_s`` for a slot (FIFO), then gets 429 with ``Retry-After``. A turn's
+  body is read (under the deadline) *before* it asks for a slot, so sockets that send headers and
+  a slow or missing body hold no slot and cannot starve real turns. Visible in ``/metrics``
+  (``splice_admission_*``).
 - An exception that escapes the app becomes a 500 in the API's error shape (when the response
   has not started) and never reaches the server, which would reset the keep-alive connection.
 """
@@ -21,6 +26,7 @@ import time
 from collections import deque
 
 import orjson
+from starlette.requests import ClientDisconnect
 
 from . import auth
 from .errors import APIError, internal_error
@@ -104,12 +110,58 @@ class BodyTooLarge(APIError):
     pass
 
 
+class BodyTimeout(APIError):
+    pass
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+if hasattr(asyncio, "timeout"):  # Python >= 3.11: no task per receive
+
+    async def _within(awaitable, seconds: float):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+
+else:  # pragma: no cover - Python 3.10
+
+    async def _within(awaitable, seconds: float):
+        return await asyncio.wait_for(awaitable, seconds)
+
+
+async def _read_body(receive) -> bytes:
+    """The whole request body through ``receive`` (the guarded one: size, deadline, disconnect)."""
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """``receive`` that hands the app the body already read, then waits on the client (disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 class Guard:
     def __init__(self, app, *, settings, metrics):
         self.app = app
         self.settings = settings
         self.metrics = metrics
         self.admission = Admission(settings.max_inflight, settings.admission_wait_s, metrics)
+        # /metrics is open on loopback (a local Prometheus); beyond it, it takes the admin token
+        self.metrics_open = auth.is_loopback_host(settings.host)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -124,8 +176,18 @@ class Guard:
             if isinstance(exc, BodyTooLarge):
                 await _discard_body(receive)  # so the client, still uploading, reads the 413
             return await self._refuse(send, route, exc)
+        receive = self._limited(receive)
         admitted = False
         if route in TURN_ROUTES and scope["method"] == "POST":
+            try:  # the body first, under its deadline: only then does the turn take a slot
+                body = await _read_body(receive)
+            except ClientGone:
+                self._client_gone(scope)
+                m.requests.labels(route, "499").inc()
+                return
+            except APIError as exc:
+                return await self._refuse(send, route, exc)
+            receive = _replay(body, receive)
             admitted = await self.admission.acquire()
             if not admitted:
                 m.admission_rejected.inc()
@@ -145,7 +207,10 @@ class Guard:
             await send(message)
 
         try:
-            await self.app(scope, self._limited(receive), send_status)
+            await self.app(scope, receive, send_status)
+        except (ClientGone, ClientDisconnect):
+            status = 499  # nginx's "client closed request": nobody is there to answer
+            self._client_gone(scope)
         except Exception as exc:  # noqa: BLE001 - the last line: never let the server see it
             if not isinstance(exc, APIError):
                 log.exception("unhandled error on %s %s", scope["method"], path)
@@ -159,6 +224,10 @@ class Guard:
                 m.errors.labels(route, str(status)).inc()
             m.request_seconds.labels(route).observe(time.perf_counter() - t0)
 
+    @staticmethod
+    def _client_gone(scope) -> None:
+        log.info("client went away before its request body was complete: %s %s", scope["method"], scope["path"])
+
     def _retry_after(self) -> str:
         return str(max(1, round(self.admission.wait_s or 1)))
 
@@ -169,14 +238,31 @@ class Guard:
         await _send_error(send, exc, anthropic=route == "messages")
 
     def _limited(self, receive):
-        """``receive`` that counts body bytes and raises 413 past the limit (chunked uploads)."""
+        """``receive`` that counts body bytes and raises 413 past the limit (chunked uploads),
+        408 when the body is not complete within ``body_timeout_s``, and ``ClientGone`` when the
+        client leaves mid-body. Once the body is complete it is the plain ``receive`` (apps wait
+        on it for a disconnect, with no deadline)."""
         limit = self.settings.max_request_bytes
+        timeout_s = self.settings.body_timeout_s
+        deadline = time.monotonic() + timeout_s
         seen = 0
+        done = False
 
         async def receive_limited():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, done
+            if done:
+                return await receive()
+            try:
+                message = await _within(receive(), max(0.0, deadline - time.monotonic()))
+            except (asyncio.TimeoutError, TimeoutError):
+                raise BodyTimeout(
+                    408, f"request body not received within {timeout_s:g} s", code="request_timeout",
+                    headers={"Connection": "close"},
+                ) from None  # fmt: skip
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
             if message["type"] == "http.request":
+                done = not message.get("more_body", False)
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     if message.get("more_body", False):
@@ -201,7 +287,8 @@ class Guard:
                 x_api_key = v.decode("latin-1")
             elif k == b"content-length":
                 length = v
-        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token, x_api_key=x_api_key, reward_token=s.reward_token)
+        auth.check(path, authorization, api_key=s.api_key, admin_token=s.admin_token, x_api_key=x_api_key, reward_token=s.reward_token,
+                   metrics_open=self.metrics_open)
         if length is not None and (not length.isdigit() or int(length) > s.max_request_bytes):
             if not length.isdigit():
                 raise APIError(400, "invalid Content-Length header", code="invalid_request")

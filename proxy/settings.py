@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -55,10 +55,12 @@ class Settings(BaseSettings):
     recompute_concurrency: int = Field(default=2, ge=1)
     # A pull never hands out a sample holding loss tokens older than current version - K (None: off).
     max_staleness: int | None = Field(default=None, ge=0)
+    transfer_deadline_s: float = Field(default=600.0, gt=0)  # a weight transfer with no join / bucket / commit this long is abandoned
     max_pause_s: float = Field(default=600.0, gt=0)  # a pause nobody resumes is lifted after this (held turns go on)
     max_request_bytes: int = 32 * 1024 * 1024
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)  # request line + headers; larger is a 431
     header_timeout_s: float = Field(default=10.0, gt=0)  # headers not complete this long after a connection / request began: 408
+    body_timeout_s: float = Field(default=60.0, gt=0)  # the whole body not read this long after the headers: 408
     max_inflight: int = Field(default_factory=lambda: default_max_inflight())  # concurrent turns, then a wait, then 429
     admission_wait_s: float = 2.0  # how long a request beyond max_inflight waits for a slot before 429
     engine_timeout_s: float = 600.0  # total deadline of one engine call (not per read)
@@ -68,9 +70,22 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(default=50_000_000, ge=1)  # one decoded image: width x height (decompression bombs)
     max_images_per_request: int = Field(default=64, ge=0)  # image parts in one request, history included
     image_fetch_timeout_s: float = Field(default=10.0, gt=0)  # total time to fetch one image URL
+    # Fetched only from public addresses (after DNS resolution, on every redirect), or from these networks (CIDR).
+    image_url_allow_net: list[str] = Field(default_factory=list)
+    max_request_image_pixels: int = Field(default=256_000_000, ge=1)  # one request's images together (decode CPU)
+    image_decode_concurrency: int = Field(default=2, ge=1)  # decodes at once, proxy-wide (each holds its pixels ~3x)
     image_cache_entries: int = Field(default=1024, ge=1)  # decoded images remembered (agents resend history images)
     image_cache_bytes: int = Field(default=512 * 1024 * 1024, ge=0)  # encoded bytes the decode cache may hold
     quiet: bool = False  # no per-turn / progress lines on the console
     reference_model: str | None = None  # model dir for the bundled engine (created if missing)
     reference_script: str | None = None  # script file for the bundled engine
     reference_script_delay_ms: int = 0
+
+    @field_validator("image_url_allow_net")
+    @classmethod
+    def _networks(cls, values: list[str]) -> list[str]:
+        import ipaddress
+
+        for v in values:
+            ipaddress.ip_network(v.strip(), strict=False)  # ValueError: pydantic names the field
+        return values

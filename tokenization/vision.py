@@ -291,11 +291,14 @@ class ImageCache:
 
     Bounded by entry count and by the encoded bytes it holds. ``decodes`` counts real decodes
     (what the cache saved is ``hits``). Thread-safe: decodes may run in worker threads.
+    ``decode_slots`` (a semaphore, optional) is held around each real decode only, so a bound
+    on concurrent decodes (their peak memory) never delays a cache hit.
     """
 
-    def __init__(self, max_entries: int = 1024, max_bytes: int = 512 * 1024 * 1024):
+    def __init__(self, max_entries: int = 1024, max_bytes: int = 512 * 1024 * 1024, decode_slots=None):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.decode_slots = decode_slots
         self._items: OrderedDict[tuple[bytes, VisionSpec], ImageInfo] = OrderedDict()
         self._aliases: OrderedDict[tuple[bytes, VisionSpec], tuple[bytes, VisionSpec]] = OrderedDict()
         self._bytes = 0
@@ -341,7 +344,11 @@ class ImageCache:
         if info is not None:
             check_limits(info, limits)
             return info
-        info = decode_image(data, spec, limits)
+        if self.decode_slots is None:
+            info = decode_image(data, spec, limits)
+        else:
+            with self.decode_slots:
+                info = decode_image(data, spec, limits)
         with self._lock:
             self.decodes += 1
             if key not in self._items:

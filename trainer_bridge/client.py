@@ -20,7 +20,10 @@ the message of the proxy's OpenAI-shaped error body.
 from __future__ import annotations
 
 import email.utils
+import ipaddress
+import os
 import socket
+import stat
 import time
 import urllib.parse
 import uuid
@@ -143,6 +146,47 @@ def resolve_proxies(urls: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def admin_token_file() -> str:
+    """Where ``splice serve`` keeps the admin token it generated when given none:
+    ``$SPLICE_HOME/admin_token`` (default ``~/.cache/splice/admin_token``; proxy/auth.py writes it)."""
+    home = os.environ.get("SPLICE_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "splice")
+    return os.path.join(home, "admin_token")
+
+
+def _loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def discover_admin_token(urls: Sequence[str]) -> str | None:
+    """The admin token to send when none was given: ``$SPLICE_ADMIN_TOKEN``, else, when every
+    proxy is on this machine (loopback), the token a local ``splice serve`` generated. The file
+    is never sent to a proxy elsewhere (it is this machine's credential, not theirs), and one
+    that other users could read is ignored, as ``splice serve`` refuses it."""
+    token = os.environ.get("SPLICE_ADMIN_TOKEN")
+    if token:
+        return token
+    if not urls or not all(_loopback(u) for u in urls):
+        return None
+    path = admin_token_file()
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
+            return None
+        return os.read(fd, 4096).decode("utf-8", "replace").strip() or None
+    finally:
+        os.close(fd)
+
+
 def _retry_after_s(response: httpx.Response) -> float | None:
     """``Retry-After`` as seconds (numeric or HTTP-date form), if present."""
     value = response.headers.get("retry-after")
@@ -194,6 +238,8 @@ class ProxyClient:
         self.urls = resolve_proxies(urls)
         if not self.urls:
             raise ValueError("at least one proxy URL is required")
+        if admin_token is None:  # $SPLICE_ADMIN_TOKEN, or a local proxy's generated token
+            admin_token = discover_admin_token(self.urls)
         self.admin_token = admin_token
         self.last_statuses: list[dict[str, Any]] | None = None
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}

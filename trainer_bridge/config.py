@@ -29,7 +29,7 @@ class TrainConfig:
     proxies: list[str] = _opt([], "proxy base URL (repeat for several proxies)")
     model: str = _opt("", "local HF model directory (safetensors) the engines serve at the start")
     out: str = _opt("splice_train", "output directory: step_{k} weight directories and stats.jsonl")
-    admin_token: str | None = _opt(None, "bearer token for the proxies' admin and pull API")
+    admin_token: str | None = _opt(None, "bearer token for the proxies' admin and pull API (default: $SPLICE_ADMIN_TOKEN, else the token a splice serve on this machine generated, for loopback proxies)")
     publish: bool = _opt(True, "push each step's weights to the proxies (pause -> update_weights -> resume)")
     keep_last: int | None = _opt(3, "keep only the newest N step directories ('none' keeps all)")
     checkpoint_every: int | None = _opt(

@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="distributed: torch.distributed backend (default: nccl with a GPU here, else gloo)")
     ap.add_argument("--dtype", default=None, help="distributed: cast tensors to this torch dtype first (e.g. bfloat16)")
     ap.add_argument("--version", required=True, type=int, help="the policy version these weights are")
-    ap.add_argument("--admin-token", default=None, help="bearer token of the proxies' admin API (default: $SPLICE_ADMIN_TOKEN)")
+    ap.add_argument("--admin-token", default=None, help="bearer token of the proxies' admin API (default: $SPLICE_ADMIN_TOKEN, else the token a splice serve on this machine generated, for loopback proxies)")
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     a = ap.parse_args(argv)

@@ -291,12 +291,17 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
     @r.post("/admin/weights/commit", openapi_extra=body_schema(TransferCommitBody))
     async def weights_commit(request: Request):
         b = await read_model(request, TransferCommitBody)
-        pool.commit_transfer(b.version, b.updated, b.failed)
+        try:
+            outcome = pool.commit_transfer(b.version, b.updated, b.failed) or {}
+        except ValueError as exc:  # names no engine of this proxy or of the transfer begun here
+            raise bad_request(str(exc), param="updated") from exc
         metrics.version.set(pool.version)
         await recompute.refresh()  # which sessions owe values now: their next turns compute them
         if not pool.paused:
             recompute.soon()  # closed sessions now; open ones at their next turn or the next pause
-        return JSONResponse({"version": pool.version, "out_of_rotation": pool.status().get("out_of_rotation", {})})
+        return JSONResponse(
+            {"version": pool.version, "out_of_rotation": pool.status().get("out_of_rotation", {}), "ignored": outcome.get("ignored", [])}
+        )
 
     @r.get("/admin/status")
     async def status():
@@ -315,6 +320,7 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
                 "max_pause_s": guard.max_pause_s,
                 # engines whose weight transfer began and did not complete: no traffic
                 "out_of_rotation": pool_status.get("out_of_rotation", {}),
+                "expired_transfers": pool_status.get("expired_transfers", 0),
             }
         )
 

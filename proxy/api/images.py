@@ -5,7 +5,11 @@
   ``{"type": "image", "source": {"type": "base64", "media_type": ..., "data": ...}}``.
 * A remote ``http(s)`` URL (Anthropic ``{"type": "url"}``) is refused unless
   ``allow_image_urls``; then it is fetched (``max_image_bytes``, ``image_fetch_timeout_s``)
-  before the request is converted. ``file_id`` references are always refused (Splice keeps no
+  before the request is converted, from public addresses only (``image_fetch``), and only a
+  URL whose bytes decoded as an image is remembered.
+* Cost: a request's images together may have at most ``max_request_image_pixels`` pixels (checked
+  from each image's header before its pixels are decoded), and at most ``image_decode_concurrency``
+  decodes run at once in the whole proxy (each holds its image's pixels several times over). ``file_id`` references are always refused (Splice keeps no
   files).
 * ``ImageInput`` lives on the app (``app.state.images``): the model's ``VisionSpec`` (None for
   a text-only model: image parts are a 400), the limits and one ``ImageCache``, so an image an
@@ -23,13 +27,19 @@ import asyncio
 import base64
 import binascii
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenization.vision import ImageCache, ImageError, ImageInfo, ImageLimits, VisionSpec
+from tokenization.vision import ImageCache, ImageError, ImageInfo, ImageLimits, VisionSpec, check_limits
 
 from ..errors import APIError, bad_request
+from .image_fetch import FETCH_FAILED, Network, fetch_bytes, guarded_client, parse_nets
+from .image_fetch import log as fetch_log
+
+URL_CACHE_ENTRIES = 64
+URL_CACHE_BYTES = 64 * 1024 * 1024
 
 IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image", "computer_screenshot"})
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[^;,]*)*),", re.DOTALL)
@@ -110,6 +120,25 @@ def b64_bytes(text: str, limits: ImageLimits) -> bytes:
         raise ImageError("image data is not valid base64") from None
 
 
+def return_large_buffers() -> bool:
+    """Make glibc hand every allocation of 1 MiB or more straight back to the OS when freed.
+
+    A decoded image is ~13.4 bytes per pixel at its peak (a 7000 x 7000 PNG: 657 MB), in large
+    blocks. With glibc's default (a threshold that rises after frees, and one heap per thread)
+    decodes in different worker threads kept their blocks: 4 worst-case images one at a time
+    peaked at 1.78 GB and held 170 MB after. With a fixed threshold each block is its own
+    mapping, unmapped on free: the peak is ``image_decode_concurrency`` x 657 MB and nothing is
+    held (``python -m proxy.bench.image_memory``). Vision models only; a no-op elsewhere."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 def _code(exc: ImageError) -> str:
     return getattr(exc, "code", "invalid_image")
 
@@ -124,26 +153,51 @@ class ImageInput:
     allow_urls: bool = False
     fetch_timeout_s: float = 10.0
     cache: ImageCache = field(default_factory=ImageCache)
-    _url_cache: OrderedDict = field(default_factory=OrderedDict)
+    max_request_pixels: int = 256_000_000
+    allow_nets: tuple[Network, ...] = ()  # fetched from although not public (--image-url-allow-net)
+    resolver: Any = None  # tests: async (host, port) -> addresses, instead of the system resolver
+    _url_cache: OrderedDict = field(default_factory=OrderedDict)  # url -> ImageInfo (decoded fine)
+    _url_lock: Any = field(default_factory=threading.Lock)
 
     @classmethod
     def from_settings(cls, settings, spec: VisionSpec | None) -> "ImageInput":
+        if spec is not None:
+            return_large_buffers()
+        slots = threading.BoundedSemaphore(settings.image_decode_concurrency)
         return cls(
             spec=spec,
             limits=ImageLimits(max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels),
             max_images=settings.max_images_per_request,
             allow_urls=settings.allow_image_urls,
             fetch_timeout_s=settings.image_fetch_timeout_s,
-            cache=ImageCache(max_entries=settings.image_cache_entries, max_bytes=settings.image_cache_bytes),
+            cache=ImageCache(max_entries=settings.image_cache_entries, max_bytes=settings.image_cache_bytes, decode_slots=slots),
+            max_request_pixels=settings.max_request_image_pixels,
+            allow_nets=parse_nets(settings.image_url_allow_net),
         )
 
     def request(self) -> "ImageRequest":
         """A fresh per-request view (nothing prepared: images decode as they are met)."""
         return ImageRequest(self)
 
-    def decode_b64(self, text: str) -> ImageInfo:
+    def decode_b64(self, text: str, limits: ImageLimits | None = None) -> ImageInfo:
         assert self.spec is not None
-        return self.cache.decode_text(text, lambda t: b64_bytes(t, self.limits), self.spec, self.limits)
+        limits = limits or self.limits
+        return self.cache.decode_text(text, lambda t: b64_bytes(t, limits), self.spec, limits)
+
+    def _budgeted(self, spent: int) -> ImageLimits:
+        """The per-image limits with the pixel limit lowered to what the request has left."""
+        left = max(0, self.max_request_pixels - spent)
+        if left >= self.limits.max_pixels:
+            return self.limits
+        return ImageLimits(max_bytes=self.limits.max_bytes, max_pixels=left, max_aspect_ratio=self.limits.max_aspect_ratio)
+
+    def _over_budget(self, exc: ImageError, limits: ImageLimits) -> ImageError:
+        if limits is not self.limits and getattr(exc, "code", None) == "image_too_large" and "pixels" in str(exc):
+            return ImageError(
+                f"the request's images have more than {self.max_request_pixels:,} pixels together "
+                "(max_request_image_pixels)", "image_too_large",
+            )  # fmt: skip
+        return exc
 
     async def prepare(self, body: Any) -> "ImageRequest":
         """A request's view with its images decoded off the event loop and its allowed URLs fetched.
@@ -175,67 +229,63 @@ class ImageInput:
             for part, src in sources:
                 if not isinstance(src, ImageSource):
                     continue
+                limits = self._budgeted(req.pixels)
                 try:
                     if src.b64 is not None:
-                        req.resolved[id(part)] = self.decode_b64(src.b64)
+                        info = self.decode_b64(src.b64, limits)
                     elif src.url in fetched:
-                        got = fetched[src.url]
-                        if isinstance(got, ImageError):
-                            raise got
-                        req.resolved[id(part)] = self.cache.decode(got, self.spec, self.limits)
+                        info = self._decode_fetched(src.url, fetched[src.url], limits)
+                    else:
+                        continue
                 except ImageError as exc:
-                    req.resolved[id(part)] = exc
+                    req.resolved[id(part)] = self._over_budget(exc, limits)
+                    continue
+                req.pixels += info.width * info.height
+                req.resolved[id(part)] = info
 
         await asyncio.to_thread(decode_all)
         req.keep = parts  # the ids above stay valid while the parts live
         return req
 
-    async def _fetch_all(self, urls: list[str]) -> dict[str, bytes | ImageError]:
-        import httpx
+    def _decode_fetched(self, url: str, got: "bytes | ImageInfo | None", limits: ImageLimits) -> ImageInfo:
+        """A fetched URL's image; only one that decoded is remembered (by URL). Failures are all
+        ``FETCH_FAILED`` (an agent learns nothing about what answered), except the request's
+        own pixel budget."""
+        if isinstance(got, ImageInfo):  # remembered
+            check_limits(got, limits)
+            return got
+        if got is None:
+            raise ImageError(FETCH_FAILED)
+        try:
+            info = self.cache.decode(got, self.spec, limits)
+        except ImageError as exc:
+            if limits is not self.limits and getattr(exc, "code", None) == "image_too_large":
+                raise
+            fetch_log.info("image URL %s: %s", url[:200], exc)
+            raise ImageError(FETCH_FAILED) from None
+        with self._url_lock:  # decodes run in worker threads
+            self._url_cache[url] = info
+            self._url_cache.move_to_end(url)
+            while len(self._url_cache) > URL_CACHE_ENTRIES or sum(len(i.data) for i in self._url_cache.values()) > URL_CACHE_BYTES:
+                self._url_cache.popitem(last=False)
+        return info
 
-        out: dict[str, bytes | ImageError] = {}
+    async def _fetch_all(self, urls: list[str]) -> dict[str, "bytes | ImageInfo | None"]:
+        out: dict[str, bytes | ImageInfo | None] = {}
         todo = []
         for u in dict.fromkeys(urls):
-            if u in self._url_cache:
+            info = self._url_cache.get(u)
+            if info is not None:
                 self._url_cache.move_to_end(u)
-                out[u] = self._url_cache[u]
+                out[u] = info
             else:
                 todo.append(u)
         if not todo:
             return out
-        async with httpx.AsyncClient(timeout=self.fetch_timeout_s, follow_redirects=True) as client:
-            results = await asyncio.gather(*(self._fetch(client, u) for u in todo))
-        for u, got in zip(todo, results):
-            out[u] = got
-            if isinstance(got, bytes):
-                self._url_cache[u] = got
-                while len(self._url_cache) > 64:
-                    self._url_cache.popitem(last=False)
+        async with guarded_client(self.fetch_timeout_s, self.allow_nets, self.resolver) as client:
+            results = await asyncio.gather(*(fetch_bytes(client, u, self.limits.max_bytes, self.fetch_timeout_s) for u in todo))
+        out.update(zip(todo, results))
         return out
-
-    async def _fetch(self, client, url: str) -> bytes | ImageError:
-        import httpx
-
-        async def get() -> bytes | ImageError:
-            async with client.stream("GET", url) as resp:
-                if resp.status_code != 200:
-                    return ImageError(f"fetching the image URL gave HTTP {resp.status_code}")
-                declared = resp.headers.get("content-length")
-                if declared and declared.isdigit() and int(declared) > self.limits.max_bytes:
-                    return ImageError(f"image is {declared} bytes, above the limit of {self.limits.max_bytes} bytes", "image_too_large")
-                buf = bytearray()
-                async for chunk in resp.aiter_bytes():
-                    buf += chunk
-                    if len(buf) > self.limits.max_bytes:
-                        return ImageError(f"image is larger than the limit of {self.limits.max_bytes} bytes", "image_too_large")
-                return bytes(buf)
-
-        try:
-            return await asyncio.wait_for(get(), self.fetch_timeout_s)
-        except asyncio.TimeoutError:
-            return ImageError(f"fetching the image URL took longer than {self.fetch_timeout_s:g} s")
-        except httpx.HTTPError as exc:
-            return ImageError(f"cannot fetch the image URL ({type(exc).__name__})")
 
 
 def _image_parts(obj: Any):
@@ -262,6 +312,7 @@ class ImageRequest:
         self.resolved: dict[int, ImageInfo | ImageError] = {}
         self.keep: list[Any] = []
         self.count = 0
+        self.pixels = 0  # decoded pixels of this request's images, against max_request_pixels
 
     def image(self, part: dict[str, Any], where: str) -> ImageInfo:
         """The ``ImageInfo`` of an image part; a 400 naming ``where`` when it cannot be used."""
@@ -290,7 +341,11 @@ class ImageRequest:
                     code="image_url_not_allowed", param=where,
                 )  # fmt: skip
             raise bad_request(f"{where}: the image URL was not fetched", code="invalid_image", param=where)
+        limits = inp._budgeted(self.pixels)
         try:
-            return inp.decode_b64(src.b64 or "")
+            info = inp.decode_b64(src.b64 or "", limits)
         except ImageError as exc:
+            exc = inp._over_budget(exc, limits)
             raise bad_request(f"{where}: {exc}", code=_code(exc), param=where) from None
+        self.pixels += info.width * info.height
+        return info

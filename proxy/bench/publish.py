@@ -86,7 +86,9 @@ def _loads(engines: list[str]) -> list[int]:
 
 def _naive(urls: list[str], path: str, version: int) -> None:
     """The protocol before fleets: each proxy in turn pauses, loads every engine, resumes."""
-    with httpx.Client(timeout=600) as c:
+    from proxy.auth import local_admin_headers
+
+    with httpx.Client(timeout=600, headers=local_admin_headers()) as c:
         for u in urls:
             c.post(u + "/admin/pause").raise_for_status()
             try:
@@ -121,7 +123,7 @@ def run(args) -> dict:
                 procs = [_start_proxy(p, engines, model_dir, tmp) for p in ports]
                 _wait_healthy(urls, procs)
                 for u in urls:  # the proxies start at v0; bring them to the engines' version
-                    httpx.post(u + "/admin/version", json={"version": version}, timeout=30).raise_for_status()
+                    httpx.post(u + "/admin/version", json={"version": version}, headers=local_admin_headers(), timeout=30).raise_for_status()
                 row: dict = {"proxies": n, "engines": args.engines}
                 times, phases = [], {}
                 before = _loads(engines)

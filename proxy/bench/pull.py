@@ -156,7 +156,10 @@ def _warm(url: str, arrow: bool, since: float) -> None:
     """Read the small warm session through the same routes and parser (imports, first allocations)."""
     import httpx
 
+    from proxy.auth import local_admin_headers
+
     headers = {"Accept": "application/vnd.apache.arrow.stream"} if arrow else {}
+    headers.update(local_admin_headers())
     r = httpx.get(url + "/v1/trajectories/samples", params={"since": repr(since)}, headers=headers, timeout=60)
     r.raise_for_status()
     _parse(r.content, arrow)
@@ -165,7 +168,10 @@ def _warm(url: str, arrow: bool, since: float) -> None:
 def _pull(url: str, arrow: bool) -> tuple[bytes, float]:
     import httpx
 
+    from proxy.auth import local_admin_headers
+
     headers = {"Accept": "application/vnd.apache.arrow.stream"} if arrow else {}
+    headers.update(local_admin_headers())
     t = time.perf_counter()
     r = httpx.post(url + "/v1/trajectories/pull", json={"max_samples": 1}, headers=headers, timeout=600)
     r.raise_for_status()

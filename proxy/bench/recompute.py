@@ -71,7 +71,9 @@ def _start(tmp: str, src: str, tok, tok_dir: str, prefill_tok_s: float, procs: l
 
 async def _case(surl: str, purl: str, turns: int, tokens: int, sessions: int, mode: str) -> dict:
     tool_text = " ".join(["data"] * tokens)
-    async with httpx.AsyncClient(base_url=purl, timeout=600) as c, httpx.AsyncClient(base_url=surl, timeout=60) as e:
+    from proxy.auth import local_admin_headers
+
+    async with httpx.AsyncClient(base_url=purl, timeout=600, headers=local_admin_headers()) as c, httpx.AsyncClient(base_url=surl, timeout=60) as e:
 
         async def turn(name: str, msgs: list[dict]) -> float:
             t0 = time.perf_counter()

@@ -13,6 +13,7 @@ proxy's resident memory (RSS); the first round is the warm-up (imports, caches f
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -26,6 +27,14 @@ import orjson
 from .loadgen import Conn
 from .overhead import SYSTEM, TOOL, USER
 from .stack import REPLY_TEXT, start_splice, start_standin, stop_all, wait_http
+
+
+@functools.lru_cache(maxsize=1)
+def _admin() -> dict[str, str]:
+    from proxy.auth import local_admin_headers
+
+    return local_admin_headers()
+
 
 
 
@@ -67,7 +76,8 @@ class Driver:
         self.admin_s: dict[str, list[float]] = {}  # seconds per admin / trainer call, by path
 
     async def _post(self, conn: Conn, path: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
-        return await asyncio.wait_for(conn.post(path, orjson.dumps(body), headers or {}), 60)
+        # the proxy's admin token for rewards, pulls and /admin (agent routes ignore it: no --api-key)
+        return await asyncio.wait_for(conn.post(path, orjson.dumps(body), {**_admin(), **(headers or {})}), 60)
 
     async def session(self, conn: Conn, name: str, lat: list[float], errors: list[str]) -> None:
         if self.args.api == "responses":

@@ -45,6 +45,7 @@ class Driver:
     seed: int
     steps_done: Callable[[], int]  # training steps finished so far
     trainer: subprocess.Popen | None = None
+    admin_headers: dict[str, str] = field(default_factory=dict)  # the grader posts rewards with the admin token
     results: list[SessionResult] = field(default_factory=list)
     launched: int = 0  # sessions
     running: int = 0
@@ -74,7 +75,7 @@ class Driver:
         finally:
             await client.close()
         reward = session_reward(answers, prompt.threshold)
-        async with httpx.AsyncClient(timeout=60) as h:
+        async with httpx.AsyncClient(timeout=60, headers=self.admin_headers) as h:
             r = await h.post(f"{self.base}/v1/sessions/{sid}/reward", json={"reward": reward})
             r.raise_for_status()
         return SessionResult(sid, gid, prompt.threshold, answers, reward, error)

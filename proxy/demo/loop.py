@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     prog = Progress(t0=t_start)
     run = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     run.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the run's own admin token, for its proxy, trainer and grader (SPLICE_ADMIN_TOKEN is read by
+    # splice serve and splice train alike): the user's token file is left alone
+    admin_token = os.environ.get("SPLICE_ADMIN_TOKEN") or secrets.token_urlsafe(24)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPLICE_ADMIN_TOKEN": admin_token}
+    admin_headers = {"Authorization": f"Bearer {admin_token}"}
     if not args.engine_url:
         env.setdefault("HF_HUB_OFFLINE", "1")
     batch = args.groups_per_step * args.group_size
@@ -211,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         tail = StatsTail(run / "train" / "stats.jsonl", args.steps, prog)
         driver = Driver(base=base, model_name=model_name, group_size=args.group_size, groups_per_step=args.groups_per_step,
                         steps=args.steps, lead=args.lead, concurrency=args.concurrency,
-                        max_output_tokens=args.max_output_tokens, seed=args.seed, steps_done=lambda: 0, trainer=trainer)
+                        max_output_tokens=args.max_output_tokens, seed=args.seed, steps_done=lambda: 0, trainer=trainer,
+                        admin_headers=admin_headers)
 
         def steps_done() -> int:
             n = tail.poll()
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.returncode != 0:
             print((run / "trainer.log").read_text()[-3000:])
             raise SystemExit(f"the trainer failed with code {trainer.returncode}; see {run / 'trainer.log'}")
-        return _report(base, run, args, results, tail.records, prog, model_name)
+        return _report(base, run, args, results, tail.records, prog, model_name, admin_headers)
     finally:
         prog.done()
         for proc in procs:
@@ -258,9 +264,9 @@ def engine_warnings(log: Path) -> list[str]:
 
 
 def _report(base: str, run: Path, args: argparse.Namespace, results: list, stats: list[dict[str, Any]], prog: Progress,
-            model_name: str) -> int:
+            model_name: str, admin_headers: dict[str, str]) -> int:
     prog.live("report   reading the recorded sessions ...")
-    with httpx.Client(base_url=base, timeout=120) as h:
+    with httpx.Client(base_url=base, timeout=120, headers=admin_headers) as h:
         sessions = [h.get(f"/v1/sessions/{r.session_id}").json() for r in results]
         metrics = h.get("/metrics").text
         # What is left in the pool, pulled and checked (then acked) like a trainer would.

@@ -24,6 +24,15 @@ def model_dir(tmp_path_factory):
     return str(ensure_model(tmp_path_factory.mktemp("model") / "tiny"))
 
 
+def admin_headers() -> dict[str, str]:
+    """The admin token of every proxy these tests start without ``--admin-token``: the one
+    ``splice serve`` keeps in ``$SPLICE_HOME/admin_token`` (created here first if missing, by the
+    same function, so it is known before a proxy starts)."""
+    from proxy.auth import load_or_create_admin_token
+
+    return {"Authorization": f"Bearer {load_or_create_admin_token()[0]}"}
+
+
 class Proxy:
     def __init__(self, url: str, proc: subprocess.Popen, store: str, args: list[str], env: dict):
         self.url = url
@@ -32,10 +41,28 @@ class Proxy:
         self.args = args
         self.env = env
 
+    @property
+    def admin_token(self) -> str:
+        """The proxy's admin token: ``--admin-token`` or ``SPLICE_ADMIN_TOKEN`` if given, else the one
+        ``splice serve`` generated into ``$SPLICE_HOME/admin_token`` (of the proxy's environment)."""
+        if "--admin-token" in self.args:
+            return self.args[self.args.index("--admin-token") + 1]
+        if self.env.get("SPLICE_ADMIN_TOKEN"):
+            return self.env["SPLICE_ADMIN_TOKEN"]
+        home = self.env.get("SPLICE_HOME") or str(Path.home() / ".cache" / "splice")
+        return (Path(home) / "admin_token").read_text().strip()
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
     def get(self, path: str, **kw):
+        """GET with the admin token unless ``headers`` are given (agent routes ignore it without --api-key)."""
+        kw.setdefault("headers", self.admin)
         return httpx.get(self.url + path, timeout=60, **kw)
 
     def post(self, path: str, body=None, **kw):
+        kw.setdefault("headers", self.admin)
         return httpx.post(self.url + path, json=body if body is not None else {}, timeout=120, **kw)
 
     def stop(self, sig_kill: bool = False) -> None:
@@ -52,7 +79,7 @@ class Proxy:
                 self.proc.wait()
 
 
-def start_proxy(tmp_path: Path, model_dir: str | None, *, script: list[str] | None = None, delay_ms: int = 0, extra: list[str] | None = None, store: str | None = None, port: int | None = None, env: dict | None = None, start_timeout_s: float = 120.0) -> Proxy:
+def start_proxy(tmp_path: Path, model_dir: str | None, *, script: list[str] | None = None, delay_ms: int = 0, extra: list[str] | None = None, store: str | None = None, port: int | None = None, env: dict | None = None, start_timeout_s: float = 300.0) -> Proxy:
     """``splice serve`` as a child process; ``model_dir=None`` serves the bundled default model
     (under ``$SPLICE_HOME``, which ``env`` may set)."""
     port = port or free_port()
@@ -68,7 +95,7 @@ def start_proxy(tmp_path: Path, model_dir: str | None, *, script: list[str] | No
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(args, cwd=str(tmp_path), env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + start_timeout_s
+    deadline = time.monotonic() + max(start_timeout_s, float(os.environ.get("SPLICE_TEST_START_TIMEOUT_S", "0")))  # raise it on a loaded machine
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"splice serve exited with {proc.returncode}")

@@ -64,8 +64,8 @@ def _default_model(home: dict) -> str:
     return str(Path(home["SPLICE_HOME"]) / "models" / BUNDLED_MODEL_NAME)
 
 
-def _turns(proxy, session: str, headers=None) -> list[dict]:
-    r = proxy.get(f"/v1/sessions/{session}", headers=headers or {})
+def _turns(proxy, session: str) -> list[dict]:
+    r = proxy.get(f"/v1/sessions/{session}")  # with the proxy's admin token
     assert r.status_code == 200, r.text
     return r.json()["turns"]
 
@@ -179,13 +179,14 @@ def test_claude_code_cli(tmp_path, splice_home, history_edits):
         assert "The command printed: splice-ok" in out
         out = _run([claude, "-p", "Again?", "--continue"], work, env)
         assert "Resumed: still splice-ok." in out
-        turns = _turns(proxy, "cc-ep-1", {"Authorization": f"Bearer {key}"})
+        turns = _turns(proxy, "cc-ep-1")  # the admin token: the agent key reads no session
         assert len(turns) == 3
         _all_spliced(turns)
         assert "splice-ok" in _bridge_text(_default_model(splice_home), turns)  # the tool really ran; its output was spliced in
         if history_edits == "keep":  # the episode is one training sample
-            auth = {"Authorization": f"Bearer {key}"}
-            assert proxy.post("/v1/sessions/cc-ep-1/reward", {"reward": 1.0}, headers=auth).status_code == 200
+            agent = {"Authorization": f"Bearer {key}"}
+            assert proxy.post("/v1/sessions/cc-ep-1/reward", {"reward": 1.0}, headers=agent).status_code == 401
+            assert proxy.post("/v1/sessions/cc-ep-1/reward", {"reward": 1.0}).status_code == 200
             samples = proxy.post("/v1/trajectories/pull", {"max_samples": 100}).json()["samples"]
             assert [x["session_id"] for x in samples] == ["cc-ep-1"]
     finally:

@@ -23,7 +23,6 @@ TOOLS = [
      "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
     {"type": "web_search_20250305", "name": "web_search"},
 ]  # fmt: skip
-AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _loop(client, session: str, keep_thinking: bool) -> None:
@@ -48,7 +47,7 @@ def _loop(client, session: str, keep_thinking: bool) -> None:
 
 
 def _check_spliced(proxy, session: str) -> None:
-    s = proxy.get(f"/v1/sessions/{session}", headers=AUTH).json()
+    s = proxy.get(f"/v1/sessions/{session}").json()
     turns = s["turns"]
     assert len(turns) == 2 and turns[1]["spliced"] and s["group_id"] == "g-oslo"
     full = turns[0]["prompt_ids"] + turns[0]["output_ids"]
@@ -68,7 +67,7 @@ def test_anthropic_sdk_tool_loop_spliced(proxy_factory):
 
     # count_tokens is the full render's length
     n = client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS)
-    first = proxy.get("/v1/sessions/oslo-1", headers=AUTH).json()["turns"][0]
+    first = proxy.get("/v1/sessions/oslo-1").json()["turns"][0]
     assert n.input_tokens == len(first["prompt_ids"])
 
     # errors: Anthropic's shape on the Messages routes, OpenAI's elsewhere
@@ -79,22 +78,22 @@ def test_anthropic_sdk_tool_loop_spliced(proxy_factory):
     with pytest.raises(anthropic.BadRequestError) as ei:
         client.messages.create(model="m", max_tokens=5, messages=[{"role": "assistant", "content": [{"type": "image", "source": {}}]}])
     assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "invalid_request_error"
-    proxy.post("/v1/sessions/oslo-1/reward", {"reward": 1.0}, headers=AUTH)
+    proxy.post("/v1/sessions/oslo-1/reward", {"reward": 1.0})
     with pytest.raises(anthropic.ConflictError):
         client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}], extra_headers={"X-Session-Id": "oslo-1"})
 
     # the sessions a harness produced, listed and paged
-    listed = proxy.get("/v1/sessions", headers=AUTH).json()
+    listed = proxy.get("/v1/sessions").json()
     assert [s["session_id"] for s in listed["data"]] == ["oslo-1", "oslo-2"] and listed["has_more"] is False
     assert listed["data"][0]["turns"] == 2 and listed["data"][0]["closed"] is True
-    page = proxy.get("/v1/sessions?limit=1&group_id=g-oslo", headers=AUTH).json()
+    page = proxy.get("/v1/sessions?limit=1&group_id=g-oslo").json()
     assert [s["session_id"] for s in page["data"]] == ["oslo-1"] and page["has_more"]
-    nxt = proxy.get(f"/v1/sessions?limit=1&group_id=g-oslo&cursor={page['next_cursor']}", headers=AUTH).json()
+    nxt = proxy.get(f"/v1/sessions?limit=1&group_id=g-oslo&cursor={page['next_cursor']}").json()
     assert [s["session_id"] for s in nxt["data"]] == ["oslo-2"] and nxt["next_cursor"] is None
-    assert [s["session_id"] for s in proxy.get("/v1/sessions?status=open", headers=AUTH).json()["data"]] == ["oslo-2"]
+    assert [s["session_id"] for s in proxy.get("/v1/sessions?status=open").json()["data"]] == ["oslo-2"]
     since = listed["data"][1]["created_at"]
-    assert [s["session_id"] for s in proxy.get(f"/v1/sessions?since={since}", headers=AUTH).json()["data"]] == ["oslo-2"]
-    assert proxy.get("/v1/sessions?cursor=garbage", headers=AUTH).status_code == 400
+    assert [s["session_id"] for s in proxy.get(f"/v1/sessions?since={since}").json()["data"]] == ["oslo-2"]
+    assert proxy.get("/v1/sessions?cursor=garbage").status_code == 400
 
     metrics = proxy.get("/metrics").text
     assert 'splice_tools_not_offered_total{type="web_search_20250305"} 4.0' in metrics

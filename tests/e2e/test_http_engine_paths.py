@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engines.reference.launch import free_port, wait_healthy
-from tests.e2e.conftest import ROOT, kill_tree, start_proxy
+from tests.e2e.conftest import ROOT, kill_tree, start_proxy, admin_headers
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_weights_only_the_engine_can_see(tmp_path, model_dir):
         proxy_root.mkdir()
         proxy = start_proxy(proxy_root, model_dir, extra=["--engine", "sglang", "--engine-url", url, "--tokenizer", model_dir])
         assert not (proxy_root / "weights" / "step1").exists()  # relative to the proxy: nothing there
-        admin = lambda path, body: httpx.post(proxy.url + path, json=body, timeout=120)  # noqa: E731
+        admin = lambda path, body: httpx.post(proxy.url + path, json=body, headers=admin_headers(), timeout=120)  # noqa: E731
         assert admin("/admin/pause", {}).status_code == 200
         r = admin("/admin/update_weights", {"model_path": "weights/step1", "version": 1})
         assert r.status_code == 200, r.text
@@ -49,7 +49,7 @@ def test_weights_only_the_engine_can_see(tmp_path, model_dir):
         bad = admin("/admin/update_weights", {"model_path": "weights/missing", "version": 2})
         assert bad.status_code >= 400 and "error" in bad.json()
         assert admin("/admin/resume", {}).status_code == 200
-        assert httpx.get(proxy.url + "/admin/status", timeout=30).json()["version"] == 1
+        assert httpx.get(proxy.url + "/admin/status", headers=admin_headers(), timeout=30).json()["version"] == 1
     finally:
         if proxy is not None:
             kill_tree(proxy)

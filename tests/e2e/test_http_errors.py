@@ -212,14 +212,20 @@ def test_session_group_cannot_change(proxy):
     assert s["group_id"] == "g1" and s["group_size"] == 2 and len(s["turns"]) == 1
 
 
-def test_public_bind_without_admin_token_refused(tmp_path):
+def test_public_bind_never_opens_the_trainer_routes(tmp_path):
+    """Without --admin-token a public bind uses the generated token like any other (the routes
+    are never open); a token file other users could read is refused before anything starts."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "admin_token").write_text("readable\n")
+    os.chmod(home / "admin_token", 0o644)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLICE_")}
-    env["PYTHONPATH"] = str(ROOT)
+    env.update(PYTHONPATH=str(ROOT), SPLICE_HOME=str(home))
     for host_args, extra_env in ((["--host", "0.0.0.0"], {}), ([], {"SPLICE_HOST": "0.0.0.0"})):
         r = subprocess.run(
             [sys.executable, "-m", "proxy.cli", "serve", *host_args, "--port", str(free_port()), "--store", str(tmp_path / "s.sqlite")],
             cwd=str(tmp_path), env={**env, **extra_env}, capture_output=True, text=True, timeout=120,
         )
-        assert r.returncode != 0
-        assert "--admin-token" in r.stderr and "0.0.0.0" in r.stderr, r.stderr
+        assert r.returncode == 2
+        assert "chmod 600" in r.stderr and "--admin-token" in r.stderr, r.stderr
     assert not (tmp_path / "s.sqlite").exists()  # refused before touching anything

@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import kill_tree, start_proxy
+from tests.e2e.conftest import kill_tree, start_proxy, admin_headers
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def _session(proxy, sid: str, turns: int) -> list[dict]:
 
 
 def _check(proxy, sid: str, v1_path: str) -> int:
-    turns = httpx.get(f"{proxy.url}/v1/sessions/{sid}", timeout=30).json()["turns"]
+    turns = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers=admin_headers(), timeout=30).json()["turns"]
     last = turns[-1]["prompt_ids"] + turns[-1]["output_ids"]
     ref = _forward(v1_path, last)
     n = 0

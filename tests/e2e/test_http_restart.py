@@ -13,7 +13,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.e2e.conftest import kill_tree, start_proxy
+from tests.e2e.conftest import kill_tree, start_proxy, admin_headers
 
 pytestmark = pytest.mark.slow
 
@@ -74,11 +74,11 @@ def test_kill9_and_restart_keeps_turns_rewards_leases(tmp_path, model_dir):
         rsid, qsid = "rs-r-" + uuid.uuid4().hex[:8], "rs-q-" + uuid.uuid4().hex[:8]
         _chat(url, rsid, [{"role": "user", "content": "r"}])
         _chat(url, qsid, [{"role": "user", "content": "q"}])
-        assert httpx.post(f"{url}/v1/sessions/{rsid}/reward", json={"reward": 0.5}, timeout=30).status_code == 200
-        lease = httpx.post(url + "/v1/trajectories/pull", json={"max_samples": 100}, timeout=60).json()
+        assert httpx.post(f"{url}/v1/sessions/{rsid}/reward", json={"reward": 0.5}, headers=admin_headers(), timeout=30).status_code == 200
+        lease = httpx.post(url + "/v1/trajectories/pull", json={"max_samples": 100}, headers=admin_headers(), timeout=60).json()
         assert [s["session_id"] for s in lease["samples"]] == [rsid]
-        assert httpx.post(f"{url}/v1/sessions/{qsid}/reward", json={"reward": -1.0}, timeout=30).status_code == 200
-        before = {sid: httpx.get(f"{url}/v1/sessions/{sid}", timeout=30).json() for sid in (x, y, rsid, qsid)}
+        assert httpx.post(f"{url}/v1/sessions/{qsid}/reward", json={"reward": -1.0}, headers=admin_headers(), timeout=30).status_code == 200
+        before = {sid: httpx.get(f"{url}/v1/sessions/{sid}", headers=admin_headers(), timeout=30).json() for sid in (x, y, rsid, qsid)}
         assert len(before[x]["turns"]) == 2 and _spliced_onto(*before[x]["turns"])
     finally:
         kill_tree(p)  # kill -9 proxy and engine, no chance to flush anything
@@ -88,7 +88,7 @@ def test_kill9_and_restart_keeps_turns_rewards_leases(tmp_path, model_dir):
     try:
         url = p2.url
         for sid, old in before.items():
-            new = httpx.get(f"{url}/v1/sessions/{sid}", timeout=30).json()
+            new = httpx.get(f"{url}/v1/sessions/{sid}", headers=admin_headers(), timeout=30).json()
             assert new["turns"] == old["turns"], sid
             assert new["reward"] == old["reward"] and new["closed"] == old["closed"], sid
         assert before[rsid]["leased"] is True
@@ -97,28 +97,28 @@ def test_kill9_and_restart_keeps_turns_rewards_leases(tmp_path, model_dir):
         assert got.status_code == 200 and got.json()["output"] == y1["output"]
 
         # the leased sample is not handed out again; the unleased one is
-        pulled = httpx.post(url + "/v1/trajectories/pull", json={"max_samples": 100}, timeout=60).json()
+        pulled = httpx.post(url + "/v1/trajectories/pull", json={"max_samples": 100}, headers=admin_headers(), timeout=60).json()
         assert [s["session_id"] for s in pulled["samples"]] == [qsid]
         assert pulled["samples"][0]["reward"] == -1.0
-        ack = httpx.post(url + "/v1/trajectories/ack", json={"lease_id": lease["lease_id"]}, timeout=30)
+        ack = httpx.post(url + "/v1/trajectories/ack", json={"lease_id": lease["lease_id"]}, headers=admin_headers(), timeout=30)
         assert ack.status_code == 200, ack.text
-        assert httpx.post(url + "/v1/trajectories/ack", json={"lease_id": pulled["lease_id"]}, timeout=30).status_code == 200
-        again = httpx.post(url + "/v1/trajectories/pull", json={"max_samples": 100}, timeout=60).json()
+        assert httpx.post(url + "/v1/trajectories/ack", json={"lease_id": pulled["lease_id"]}, headers=admin_headers(), timeout=30).status_code == 200
+        again = httpx.post(url + "/v1/trajectories/pull", json={"max_samples": 100}, headers=admin_headers(), timeout=60).json()
         assert again["samples"] == []
-        assert httpx.post(f"{url}/v1/sessions/{rsid}/reward", json={"reward": 1.0}, timeout=30).status_code == 409
+        assert httpx.post(f"{url}/v1/sessions/{rsid}/reward", json={"reward": 1.0}, headers=admin_headers(), timeout=30).status_code == 409
 
         # continuing turns after the restart are spliced from the stored ids
         _chat(url, x, msgs)
-        tx = httpx.get(f"{url}/v1/sessions/{x}", timeout=30).json()["turns"]
+        tx = httpx.get(f"{url}/v1/sessions/{x}", headers=admin_headers(), timeout=30).json()["turns"]
         assert len(tx) == 3 and _spliced_onto(tx[1], tx[2]), tx[2]["fork_reason"]
         (call,) = [it for it in y1["output"] if it["type"] == "function_call"]
         y2 = _responses(url, {"previous_response_id": y1["id"], "input": [{"type": "function_call_output", "call_id": call["call_id"], "output": "9"}]})
         assert y2["splice"]["session_id"] == y and y2["splice"]["spliced"] is True
-        ty = httpx.get(f"{url}/v1/sessions/{y}", timeout=30).json()["turns"]
+        ty = httpx.get(f"{url}/v1/sessions/{y}", headers=admin_headers(), timeout=30).json()["turns"]
         assert len(ty) == 2 and _spliced_onto(ty[0], ty[1])
         rz2 = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": zmsgs, "tools": CHAT_TOOLS}, timeout=60)
         assert rz2.status_code == 200, rz2.text
-        tz = httpx.get(f"{url}/v1/sessions/{rz2.json()['splice']['session_id']}", timeout=30).json()["turns"]
+        tz = httpx.get(f"{url}/v1/sessions/{rz2.json()['splice']['session_id']}", headers=admin_headers(), timeout=30).json()["turns"]
         assert len(tz) == 2 and _spliced_onto(tz[0], tz[1]), tz[-1]["fork_reason"]
     finally:
         kill_tree(p2)

@@ -36,7 +36,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.e2e.conftest import kill_tree, start_proxy
+from tests.e2e.conftest import kill_tree, start_proxy, admin_headers
 
 pytestmark = pytest.mark.slow
 
@@ -107,8 +107,8 @@ def test_rollback_extends_longest_active_prefix(proxy):
     bridge4 = p4[len(B_tokens):]
     assert bridge4
 
-    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30).status_code == 200
-    pulled = httpx.post(proxy.url + "/v1/trajectories/pull", json={"max_samples": 100}, timeout=60).json()
+    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": 1.0}, headers=admin_headers(), timeout=30).status_code == 200
+    pulled = httpx.post(proxy.url + "/v1/trajectories/pull", json={"max_samples": 100}, headers=admin_headers(), timeout=60).json()
     mine = [x for x in pulled["samples"] if x["session_id"] == sid]
     assert len(mine) == 2, [x["turn_ids"] for x in mine]
     A, B = mine
@@ -130,4 +130,4 @@ def test_rollback_extends_longest_active_prefix(proxy):
         L = len(smp["input_ids"])
         assert all(len(smp[k]) == L for k in ("loss_mask", "logprobs", "versions", "proximal_logprobs_t", "proximal_versions"))
         assert [v >= 0 for v in smp["versions"]] == [m == 1 for m in smp["loss_mask"]]
-    assert httpx.post(proxy.url + "/v1/trajectories/ack", json={"lease_id": pulled["lease_id"]}, timeout=30).status_code == 200
+    assert httpx.post(proxy.url + "/v1/trajectories/ack", json={"lease_id": pulled["lease_id"]}, headers=admin_headers(), timeout=30).status_code == 200

@@ -14,7 +14,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.e2e.conftest import kill_tree, start_proxy
+from tests.e2e.conftest import kill_tree, start_proxy, admin_headers
 
 pytestmark = pytest.mark.slow
 
@@ -59,17 +59,17 @@ def _two_turn_session(proxy, headers: dict | None = None) -> str:
 
 
 def _reward(proxy, sid: str, value: float) -> httpx.Response:
-    return httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": value}, timeout=30)
+    return httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": value}, headers=admin_headers(), timeout=30)
 
 
 def _pull(proxy, max_samples: int = 1000, wait_s: float = 0.0) -> dict:
-    r = httpx.post(proxy.url + "/v1/trajectories/pull", json={"max_samples": max_samples, "wait_s": wait_s}, timeout=60)
+    r = httpx.post(proxy.url + "/v1/trajectories/pull", json={"max_samples": max_samples, "wait_s": wait_s}, headers=admin_headers(), timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def _ack(proxy, lease_id: str) -> httpx.Response:
-    return httpx.post(proxy.url + "/v1/trajectories/ack", json={"lease_id": lease_id}, timeout=30)
+    return httpx.post(proxy.url + "/v1/trajectories/ack", json={"lease_id": lease_id}, headers=admin_headers(), timeout=30)
 
 
 def _mine(pulled: dict, sids) -> list[dict]:
@@ -186,7 +186,7 @@ def test_reward_conflicts_and_unknown_ids(proxy):
     assert proxy.get("/v1/sessions/no-such-session").status_code == 404
     bad = _ack(proxy, "lease_does_not_exist")
     assert bad.status_code == 404
-    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": "high"}, timeout=30).status_code == 400
+    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": "high"}, headers=admin_headers(), timeout=30).status_code == 400
     # clean up: hand the sample out and ack it
     pulled = _pull(proxy)
     assert len(_mine(pulled, [sid])) == 1
@@ -238,7 +238,7 @@ def test_arrow_pull_matches_json_and_the_schema_on_real_turns(proxy):
     t1, t2 = _session(proxy, sid)["turns"]
     assert _reward(proxy, sid, 0.5).status_code == 200
     r = httpx.post(proxy.url + "/v1/trajectories/pull", json={"max_samples": 1000},
-                   headers={"Accept": "application/vnd.apache.arrow.stream"}, timeout=60)  # fmt: skip
+                   headers={"Accept": "application/vnd.apache.arrow.stream", **admin_headers()}, timeout=60)  # fmt: skip
     assert r.status_code == 200 and r.headers["content-type"] == "application/vnd.apache.arrow.stream"
     reader = pa.ipc.open_stream(r.content)
     meta = {k.decode(): v.decode() for k, v in reader.schema.metadata.items()}

@@ -18,7 +18,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.e2e.conftest import kill_tree, start_proxy
+from tests.e2e.conftest import kill_tree, start_proxy, admin_headers
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def _token_logprobs(model_path: str, ids: list[int], start: int) -> list[float]:
 
 
 def _admin(proxy, path: str, body: dict | None = None) -> dict:
-    r = httpx.post(proxy.url + path, json=body or {}, timeout=120)
+    r = httpx.post(proxy.url + path, json=body or {}, headers=admin_headers(), timeout=120)
     assert r.status_code == 200, (path, r.text)
     return r.json()
 
@@ -137,7 +137,7 @@ def test_update_during_generation_then_second_update_before_pull(proxy, weights)
 
     # second update with nothing in flight, then reward + pull: v1 tokens get log pi_v2 (R2)
     assert _admin(proxy, "/admin/update_weights", {"model_path": v2_path, "version": 2})["version"] == 2
-    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30).status_code == 200
+    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": 1.0}, headers=admin_headers(), timeout=30).status_code == 200
     pulled = _admin(proxy, "/v1/trajectories/pull", {"max_samples": 10})
     (sample,) = [x for x in pulled["samples"] if x["session_id"] == sid]
     ref_v2 = _token_logprobs(v2_path, prompt + out, len(prompt))
@@ -285,7 +285,7 @@ def test_reward_while_a_turn_is_generating(proxy):
     while proxy.get("/admin/status").json()["inflight"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.2)
-    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": 1.0}, timeout=30).status_code == 200
+    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": 1.0}, headers=admin_headers(), timeout=30).status_code == 200
     th.join(60)
     r = out["r"]
     assert r.status_code == 409, r.text

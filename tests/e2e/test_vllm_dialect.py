@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from .conftest import start_proxy
+from .conftest import admin_headers, start_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_vllm_engine_path(tmp_path, model_dir):
         msgs += [assistant, {"role": "tool", "tool_call_id": call["id"], "content": "3"}]
         r2 = client.chat.completions.create(model="agent-facing-name", messages=msgs, tools=TOOLS)
         assert r2.choices[0].message.content == "Three."
-        t1, t2 = httpx.get(proxy.url + "/v1/sessions/v", timeout=30).json()["turns"]
+        t1, t2 = httpx.get(proxy.url + "/v1/sessions/v", headers=admin_headers(), timeout=30).json()["turns"]
         assert t2["spliced"]
         assert t1["versions"][0] == 0 and t1["versions"][-1] == 1  # the update landed mid-generation
         for v, pv in zip(t1["versions"], t1["proximal_versions"]):

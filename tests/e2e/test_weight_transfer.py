@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, kill_tree, start_proxy
+from tests.e2e.conftest import ROOT, kill_tree, start_proxy, admin_headers
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def _prompt_logprobs(engine: str) -> list[float]:
 
 
 def _status(url: str) -> dict:
-    return httpx.get(url + "/admin/status", timeout=30).json()
+    return httpx.get(url + "/admin/status", headers=admin_headers(), timeout=30).json()
 
 
 def _chat_versions(url: str) -> tuple[int, list[int]]:
@@ -111,7 +111,7 @@ def _chat_versions(url: str) -> tuple[int, list[int]]:
     )
     if r.status_code != 200:
         return r.status_code, []
-    s = httpx.get(url + f"/v1/sessions/{sid}", timeout=30).json()
+    s = httpx.get(url + f"/v1/sessions/{sid}", headers=admin_headers(), timeout=30).json()
     return 200, [v for t in s["turns"] for v in t["versions"]]
 
 
@@ -236,7 +236,7 @@ def test_a_transfer_killed_half_way_leaves_no_mixed_engine_in_rotation(fleet, we
         st = _status(url)
         assert st["paused"] is True
         assert sorted(st["out_of_rotation"]) == sorted(r["id"] for r in st["engines"]["engine_replicas"])
-        assert httpx.post(url + "/admin/resume", json={}, timeout=30).status_code == 200
+        assert httpx.post(url + "/admin/resume", json={}, headers=admin_headers(), timeout=30).status_code == 200
         code, _ = _chat_versions(url)
         assert code == 503
     assert _info(fleet["a"])["weight_version"] == before["a"]["weight_version"]
@@ -456,7 +456,7 @@ def test_a_broadcast_landing_mid_turn_stamps_every_token_exactly(tmp_path, model
         th.join(120)
         assert result.get("status") == 200 and "error" not in result, result
 
-        (t,) = httpx.get(proxy.url + f"/v1/sessions/{sid}", timeout=30).json()["turns"]
+        (t,) = httpx.get(proxy.url + f"/v1/sessions/{sid}", headers=admin_headers(), timeout=30).json()["turns"]
         versions, out, prompt = t["versions"], t["output_ids"], t["prompt_ids"]
         k = versions.index(1)
         assert 0 < k < len(out) - 5 and versions == [0] * k + [1] * (len(out) - k)

@@ -13,7 +13,7 @@ import uuid
 
 import httpx
 
-from vllm_live_support import MAX_MODEL_LEN, TIMINGS
+from vllm_live_support import ADMIN_HEADERS, MAX_MODEL_LEN, TIMINGS
 
 TOL = 1e-4
 FIGURES: dict[str, float] = {}
@@ -33,7 +33,7 @@ def vllm_logprobs(vllm_url: str, ids: list[int]) -> list[float | None]:
 
 
 def session(proxy: str, sid: str) -> dict:
-    r = httpx.get(f"{proxy}/v1/sessions/{sid}", timeout=30)
+    r = httpx.get(f"{proxy}/v1/sessions/{sid}", timeout=30, headers=ADMIN_HEADERS)
     r.raise_for_status()
     return r.json()
 
@@ -180,7 +180,7 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
         result["chunks"] = n
 
     def post(path: str, body=None) -> httpx.Response:
-        r = httpx.post(proxy + path, json=body, timeout=300)
+        r = httpx.post(proxy + path, json=body, timeout=300, headers=ADMIN_HEADERS)
         assert r.status_code == 200, (path, r.text)
         return r
 
@@ -196,7 +196,7 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
         post("/admin/pause")
         held = False
         while time.monotonic() - t0 < 5 and th.is_alive() and not held:
-            held = httpx.get(proxy + "/admin/status").json()["engines"].get("held", 0) >= 1
+            held = httpx.get(proxy + "/admin/status", headers=ADMIN_HEADERS).json()["engines"].get("held", 0) >= 1
             time.sleep(0.01)
         if held:
             break
@@ -210,7 +210,7 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
     th.join(300)
     assert not th.is_alive()
     assert httpx.get(vllm_server + "/weight_info").json() == {"weight_version": "1"}
-    assert httpx.get(proxy + "/admin/status").json()["version"] == 1
+    assert httpx.get(proxy + "/admin/status", headers=ADMIN_HEADERS).json()["version"] == 1
 
     t = session(proxy, sid)["turns"][0]
     versions = t["versions"]

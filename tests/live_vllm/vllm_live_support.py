@@ -38,6 +38,8 @@ VENV = Path(os.environ.get("SPLICE_VLLM_VENV") or REPO / ".venv-vllm")
 MAX_MODEL_LEN = 512
 CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 TIMINGS: dict[str, float] = {}
+ADMIN_TOKEN = "live-vllm-admin"  # the proxy fixture's --admin-token: trainer and session routes need it
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -201,7 +203,7 @@ def proxy(vllm_server, models, tmp_path_factory):
     args = [
         sys.executable, "-m", "proxy.cli", "serve", "--engine", "vllm", "--engine-url", vllm_server,
         "--tokenizer", str(models[0]), "--renderer", "qwen3", "--store", str(work / "splice.db"),
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", "127.0.0.1", "--port", str(port), "--admin-token", ADMIN_TOKEN,
     ]  # fmt: skip
     proc = subprocess.Popen(args, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -60,5 +60,6 @@ def test_bad_arguments(tmp_path, capsys):
         splice(["export", "--store", "x.db", "--out", str(tmp_path), "--consume"])
     with pytest.raises(SystemExit):
         splice(["export", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="no store file"):
-        splice(["export", "--store", str(tmp_path / "missing.db"), "--out", str(tmp_path / "o")])
+    capsys.readouterr()
+    assert splice(["export", "--store", str(tmp_path / "missing.db"), "--out", str(tmp_path / "o")]) == 2  # one line, no traceback
+    assert capsys.readouterr().err.strip() == f"splice export: no store file at {tmp_path / 'missing.db'}"

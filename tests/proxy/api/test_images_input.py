@@ -4,6 +4,7 @@ refused with a clear 400 in the dialect's error shape when they cannot be used."
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import base64
 import io
 import threading
@@ -335,12 +336,19 @@ def test_http_image_urls_fetched_only_when_allowed(vlive, image_host, spec):
     assert r.status_code == 400 and r.json()["error"]["code"] == "image_url_not_allowed"
     vlive.images.allow_urls = True
     r = httpx.post(vlive.base_url + "/v1/chat/completions", json=body("/shot.png"))
-    assert r.status_code == 200, r.text
-    assert vlive.runner.requests[-1].messages[-1].images[0].hash == decode_image(SHOT, spec).hash
-    r = httpx.post(vlive.base_url + "/v1/chat/completions", json=body("/big.png"))
-    assert r.status_code == 400 and r.json()["error"]["code"] == "image_too_large", r.text
-    r = httpx.post(vlive.base_url + "/v1/chat/completions", json=body("/missing.png"))
-    assert r.status_code == 400 and "HTTP 404" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "could not be fetched" in r.text  # loopback: refused
+    vlive.images.allow_nets = (ipaddress.ip_network("127.0.0.1/32"),)  # --image-url-allow-net 127.0.0.1
+    try:
+        r = httpx.post(vlive.base_url + "/v1/chat/completions", json=body("/shot.png"))
+        assert r.status_code == 200, r.text
+        assert vlive.runner.requests[-1].messages[-1].images[0].hash == decode_image(SHOT, spec).hash
+        # too large and missing: the same message as any other failure (nothing about what answered)
+        for path in ("/big.png", "/missing.png"):
+            r = httpx.post(vlive.base_url + "/v1/chat/completions", json=body(path))
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image", r.text
+            assert "the image URL could not be fetched as an image" in r.json()["error"]["message"]
+    finally:
+        vlive.images.allow_nets = ()
     assert len(vlive.runner.requests) == 1
 
 
