@@ -17,7 +17,8 @@ from .api.admin import admin_router
 from .api.chat import chat_router
 from .api.images import ImageInput
 from .api.jsonio import JSONResponse
-from .api.messages import anthropic_error, messages_router
+from .api.messages import messages_router
+from .api.messages_errors import anthropic_error
 from .api.responses import responses_router
 from .api.training import training_router
 from .errors import APIError, error_body

@@ -327,7 +327,7 @@ async def _discard_body(receive) -> None:
 async def _send_error(send, exc: APIError, *, anthropic: bool = False) -> None:
     status, payload = exc.status, exc.body()
     if anthropic:  # the Messages API's routes answer in Anthropic's error shape
-        from .api.messages import anthropic_error
+        from .api.messages_errors import anthropic_error
 
         status, payload = anthropic_error(exc.status, exc.message)
     body = orjson.dumps(payload)

@@ -14,94 +14,35 @@ streaming is ``messages_stream``.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
 
 from tokenization.conversation import Message, ToolCall
 
 from ..errors import APIError, bad_request
-from ..ids import message_id, tool_use_id
-from ..session import Presentation, TurnResult, TurnRunner
+from ..session import TurnRunner
 from .content import ToolSet, name_tool_messages, offer_tools, parts_of, text_of
-from .context import DialectContext, turn_request
+from .context import turn_request
 from .images import ImageInput, ImageRequest
-from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
-from .output import splice_headers, splice_info, usage_of
+from .jsonio import JSONResponse, body_schema, build, parse_json_body, validate
+from .messages_errors import anthropic_error, error_response, is_messages_path
+from .messages_output import (
+    MessagesContext, content_blocks, message_body, message_skeleton, message_usage, stop_reason_of, tool_input,
+)  # fmt: skip
+from .messages_stream import stream_message
+from .models import MessagesRequest
+from .output import splice_headers
 from .streaming import TurnStream, run_turn, streaming_response
 
-# ============================================================================ errors
-
-# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); a saturated
-# proxy answers 529 ``overloaded_error`` as Anthropic does.
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "invalid_request_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
-_STATUS = {503: 529, 502: 500}
-
-
-def anthropic_error(status: int, message: str) -> tuple[int, dict[str, Any]]:
-    """``(status, body)`` of an error in Anthropic's shape."""
-    status = _STATUS.get(status, status)
-    default = "invalid_request_error" if 400 <= status < 500 else "api_error"  # e.g. 405, 408, 431
-    return status, {"type": "error", "error": {"type": _ERROR_TYPES.get(status, default), "message": message}}
-
-
-def error_response(exc: APIError) -> JSONResponse:
-    status, body = anthropic_error(exc.status, exc.message)
-    return JSONResponse(body, status_code=status, headers=exc.headers)
-
-
-def is_messages_path(path: str) -> bool:
-    return path == "/v1/messages" or path.startswith("/v1/messages/")
-
+__all__ = [  # the request model, the error shape and the output builders moved down; still importable here
+    "MessagesContext", "MessagesRequest", "anthropic_error", "build_messages_context", "content_blocks", "count_tokens",
+    "error_response", "is_messages_path", "message_body", "message_skeleton", "message_usage", "messages_controls",
+    "messages_router", "messages_to_conversation", "stop_reason_of", "tool_input",
+]  # fmt: skip
 
 # ============================================================================ request
-
-
-class MessagesRequest(BaseModel):
-    """``POST /v1/messages`` (unknown fields are kept and ignored, as Anthropic's beta fields come and go)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    messages: list[dict[str, Any]]
-    system: str | list[dict[str, Any]] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    stop_sequences: list[str] | None = None
-    stream: bool | None = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # extension, as on the other two APIs
-
-    def check_supported(self, *, counting: bool = False) -> None:
-        if not counting and self.max_tokens is None:
-            raise bad_request("max_tokens: Field required", param="max_tokens")
-        if not self.messages:
-            raise bad_request("messages: at least one message is required", param="messages")
-        if self.stop_sequences is not None and any(not isinstance(s, str) or not s for s in self.stop_sequences):
-            raise bad_request("stop_sequences: each stop sequence must be a non-empty string", param="stop_sequences")
-        if self.thinking is not None and self.thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-            raise bad_request("thinking.type: expected 'enabled', 'disabled' or 'adaptive'", param="thinking.type")
 
 
 def _system_text(system: str | list[dict[str, Any]] | None) -> str:
@@ -241,18 +182,8 @@ def messages_controls(req: MessagesRequest) -> dict[str, Any]:
     }
 
 
-# ============================================================================ request -> turn
 
 
-@dataclass
-class MessagesContext(DialectContext):
-    req: MessagesRequest
-    toolset: ToolSet
-    created_at: float = field(default_factory=time.time)
-
-    def present(self, result: TurnResult) -> Presentation:
-        body = message_body(self, result)
-        return Presentation(body=body, encoded=dumps(body))
 
 
 def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None) -> MessagesContext:
@@ -271,79 +202,8 @@ def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner, im
     return ctx
 
 
-# ============================================================================ output
 
 
-def stop_reason_of(result: TurnResult) -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)``."""
-    gen = result.generation
-    if result.finish_reason == "length":
-        return "max_tokens", None
-    if result.parsed.tool_calls:
-        return "tool_use", None
-    if isinstance(gen.matched_stop, str):
-        return "stop_sequence", gen.matched_stop
-    return "end_turn", None
-
-
-def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as the ``input`` object Anthropic clients expect."""
-    try:
-        value = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def content_blocks(turn_id: str, result: TurnResult) -> list[dict[str, Any]]:
-    p = result.parsed
-    out: list[dict[str, Any]] = []
-    if p.reasoning:
-        out.append({"type": "thinking", "thinking": p.reasoning, "signature": turn_id})
-    if p.content or not p.tool_calls:
-        out.append({"type": "text", "text": p.content})
-    for k, c in enumerate(p.tool_calls):
-        out.append({"type": "tool_use", "id": tool_use_id(turn_id, k), "name": c.name, "input": tool_input(c.arguments)})
-    return out
-
-
-def message_usage(ctx: MessagesContext, result: TurnResult) -> dict[str, Any]:
-    """Anthropic counts cache reads apart from ``input_tokens``."""
-    u = usage_of(ctx.fmt, result, ctx.turn.chat_template_kwargs)
-    cached = min(u.cached_tokens, u.prompt_tokens)
-    return {
-        "input_tokens": u.prompt_tokens - cached,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
-        "output_tokens": u.output_tokens,
-    }
-
-
-def message_skeleton(ctx: MessagesContext) -> dict[str, Any]:
-    return {
-        "id": message_id(ctx.turn_id),
-        "type": "message",
-        "role": "assistant",
-        "content": [],
-        "model": ctx.model,
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0},
-    }
-
-
-def message_body(ctx: MessagesContext, result: TurnResult) -> dict[str, Any]:
-    stop_reason, stop_sequence = stop_reason_of(result)
-    body = message_skeleton(ctx)
-    body.update(
-        content=content_blocks(result.turn_id, result),
-        model=result.model or ctx.model,
-        stop_reason=stop_reason,
-        stop_sequence=stop_sequence,
-        usage=message_usage(ctx, result),
-        splice=splice_info(result, ctx.turn),
-    )
-    return body
 
 
 # ============================================================================ count_tokens
@@ -369,8 +229,6 @@ def count_tokens(body: dict[str, Any], runner: TurnRunner, images: ImageRequest 
 def messages_router(runner: TurnRunner, images: ImageInput | None = None) -> APIRouter:
     """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``; errors in Anthropic's shape.
     ``images``: the app's image input (None: text only)."""
-    from .messages_stream import stream_message
-
     router = APIRouter()
 
     @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))

@@ -15,7 +15,8 @@ from tokenization.incremental import CONTENT, REASONING, StopTextFilter, Strippe
 from ..errors import APIError
 from ..ids import message_id
 from .jsonio import dumps
-from .messages import MessagesContext, anthropic_error, message_skeleton
+from .messages_errors import anthropic_error
+from .messages_output import MessagesContext, message_skeleton
 from .streaming import TurnStream, relay, sse_event
 
 log = logging.getLogger("splice.messages")

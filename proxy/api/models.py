@@ -136,6 +136,37 @@ class ChatCompletionRequest(_OpenAIModel):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class MessagesRequest(BaseModel):
+    """``POST /v1/messages`` (unknown fields are kept and ignored, as Anthropic's beta fields come and go)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension, as on the other two APIs
+
+    def check_supported(self, *, counting: bool = False) -> None:
+        if not counting and self.max_tokens is None:
+            raise bad_request("max_tokens: Field required", param="max_tokens")
+        if not self.messages:
+            raise bad_request("messages: at least one message is required", param="messages")
+        if self.stop_sequences is not None and any(not isinstance(s, str) or not s for s in self.stop_sequences):
+            raise bad_request("stop_sequences: each stop sequence must be a non-empty string", param="stop_sequences")
+        if self.thinking is not None and self.thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise bad_request("thinking.type: expected 'enabled', 'disabled' or 'adaptive'", param="thinking.type")
+
+
 # ----------------------------------------------------------------------------- trainer side
 
 

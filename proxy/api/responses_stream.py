@@ -12,7 +12,7 @@ from tokenization.incremental import CONTENT, REASONING, IncrementalDecoder, Str
 
 from ..errors import APIError
 from ..ids import message_id, reasoning_id, response_id
-from .responses import ResponsesContext, message_item, output_text_part, reasoning_item, response_skeleton, tool_call_item
+from .responses_output import ResponsesContext, message_item, output_text_part, reasoning_item, response_skeleton, tool_call_item
 from .streaming import TurnStream, relay, sse_event
 
 log = logging.getLogger("splice.responses")

@@ -29,22 +29,13 @@ import sys
 import tempfile
 import time
 
+from .tables import format_table as _table
+
 
 def _write(out: str, payload: dict) -> None:
     with open(out, "w") as f:
         json.dump(payload, f, indent=2)
     print(f"\nwrote {out}")
-
-
-def _table(headers: list[str], rows: list[list]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for n, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _median_time(fn, reps: int) -> float:

@@ -31,14 +31,12 @@ from pathlib import Path
 from engines.reference.launch import free_port
 
 from .stack import REPLY_TEXT, start_splice, start_standin, wait_http
+from .tables import format_table as _table
+from .workload import SYSTEM, TOOL, USER
 
 HERE = Path(__file__).resolve().parent
 LITELLM_VENV = Path.home() / ".cache" / "splice" / "bench-venv-litellm"
 STAGES = ("bridge", "render", "parse", "commit")
-SYSTEM = "You are a careful agent. Use the tool f to make progress."
-USER = "Run the computation until it reaches the end, one step at a time."
-TOOL = {"name": "f", "description": "Advance the computation by one step.",
-        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}
 
 
 def add_parser(sub) -> None:
@@ -210,8 +208,6 @@ def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, dea
 
 def run(args) -> dict:
     from tokenization import ChatFormat, Message, Tool, load_tokenizer, qwen3_tokenizer_dir
-
-    from .micro import _table
 
     tok_dir = str(qwen3_tokenizer_dir())
     tok = load_tokenizer(tok_dir)

@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from .tables import format_table as _table
+
 VOCAB = 151_000
 
 
@@ -215,8 +217,6 @@ def _trainer_rss(url: str, arrow: bool) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from .micro import _table
-
     rows, results = [], []
     cases = [(n, args.sampled) for n in args.sizes] + ([(max(args.sizes), 1.0)] if args.sampled < 1.0 else [])
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,8 +29,9 @@ import httpx
 
 from engines.reference.launch import free_port
 
-from .overhead import SYSTEM, TOOL, USER
 from .stack import HERE, REPLY_TEXT, stop_all, wait_http
+from .tables import format_table as _table
+from .workload import SYSTEM, TOOL, USER
 
 
 def add_parser(sub) -> None:
@@ -134,8 +135,6 @@ def _stages(text: str) -> dict[str, float]:
 
 def run(args) -> dict:
     from tokenization import load_tokenizer, qwen3_tokenizer_dir
-
-    from .micro import _table
 
     tok_dir = str(qwen3_tokenizer_dir())
     tok = load_tokenizer(tok_dir)

@@ -25,9 +25,9 @@ from pathlib import Path
 import orjson
 
 from .loadgen import Conn
-from .overhead import SYSTEM, TOOL, USER
 from .stack import REPLY_TEXT, start_splice, start_standin, stop_all, wait_http
-
+from .tables import format_table as _table
+from .workload import SYSTEM, TOOL, USER
 
 @functools.lru_cache(maxsize=1)
 def _admin() -> dict[str, str]:
@@ -207,8 +207,6 @@ class Driver:
 
 def run(args) -> dict:
     from tokenization import load_tokenizer, qwen3_tokenizer_dir
-
-    from .micro import _table
 
     tok_dir = str(qwen3_tokenizer_dir())
     tok = load_tokenizer(tok_dir)
