@@ -45,7 +45,8 @@ def _forward(model_path: str, ids: list[int]) -> list[float]:
 
 
 def _post(proxy, path: str, body: dict, sid: str | None = None) -> dict:
-    r = httpx.post(proxy.url + path, json=body, headers={"X-Session-Id": sid} if sid else {}, timeout=120)
+    headers = {"X-Session-Id": sid} if sid else admin_headers()  # agent turns carry the session; /admin the token
+    r = httpx.post(proxy.url + path, json=body, headers=headers, timeout=120)
     assert r.status_code == 200, (path, r.text)
     return r.json()
 

@@ -196,7 +196,8 @@ def test_reward_conflicts_and_unknown_ids(proxy):
 def test_non_finite_reward_is_400_and_changes_nothing(proxy):
     sid = _two_turn_session(proxy)
     for raw in (b'{"reward": NaN}', b'{"reward": Infinity}', b'{"reward": -Infinity}', b'{"reward": 1e999}'):
-        r = httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", content=raw, headers={"Content-Type": "application/json"}, timeout=30)
+        r = httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", content=raw,
+                       headers={"Content-Type": "application/json", **admin_headers()}, timeout=30)
         assert r.status_code == 400, (raw, r.status_code, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
     s = _session(proxy, sid)

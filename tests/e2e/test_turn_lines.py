@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from engines.reference.launch import free_port
-from tests.e2e.conftest import ROOT
+from tests.e2e.conftest import ROOT, admin_headers
 
 pytestmark = pytest.mark.slow
 
@@ -77,14 +77,14 @@ def test_a_line_per_turn_and_a_progress_line(tmp_path, model_dir):
         first = _chat(url, "tl-1", history)
         history += [{"role": "assistant", "content": first}, {"role": "user", "content": "more please"}]
         _chat(url, "tl-1", history)
-        turns = httpx.get(f"{url}/v1/sessions/tl-1", timeout=30).json()["turns"]
+        turns = httpx.get(f"{url}/v1/sessions/tl-1", headers=admin_headers(), timeout=30).json()["turns"]
         time.sleep(0.5)  # the line is written right after the response; let it reach the file
         lines = _lines(err)
     finally:
         _stop(proc)
     assert len(turns) == 2 and turns[1]["spliced"]
     t0, t1 = turns
-    pat = r"session tl-1 turn {i}: {where}, {p} prompt{cached} \+ {o} output tokens, stop \| engine \d+ ms, proxy \d+ ms$"
+    pat = r"session tl-1 turn {i} \[main\]: {where}, {p} prompt{cached} \+ {o} output tokens, stop \| engine \d+ ms, proxy \d+ ms$"
     want0 = pat.format(i=0, where="new", p=f"{len(t0['prompt_ids']):,}", cached="", o=len(t0["output_ids"]))
     # the engine reuses the first turn's KV: all of it but the last sampled token, which was never fed back
     reused = len(t0["prompt_ids"]) + len(t0["output_ids"]) - 1
@@ -100,7 +100,7 @@ def test_quiet_prints_no_turn_lines(tmp_path, model_dir):
     proc, url, err = _serve(tmp_path, model_dir, "--quiet")
     try:
         assert _chat(url, "tl-q", [{"role": "user", "content": "hello"}]) == "Hi."
-        assert len(httpx.get(f"{url}/v1/sessions/tl-q", timeout=30).json()["turns"]) == 1
+        assert len(httpx.get(f"{url}/v1/sessions/tl-q", headers=admin_headers(), timeout=30).json()["turns"]) == 1
         time.sleep(0.5)
         lines = _lines(err)
     finally:

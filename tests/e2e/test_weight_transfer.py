@@ -480,7 +480,7 @@ def test_bad_weight_transfer_requests_get_openai_shaped_errors(fleet):
         ("/admin/weights/ranks", {"engine": "http://nowhere:1"}, "engine"),
     ]
     for path, body, param in cases:
-        r = httpx.post(url + path, json=body, timeout=30)
+        r = httpx.post(url + path, json=body, headers=admin_headers(), timeout=30)
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
         assert set(err) >= {"message", "type", "code"} and err["message"]
