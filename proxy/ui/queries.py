@@ -9,10 +9,10 @@ reading connection (a few runs per turn). Nothing here writes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..store.packing import unpack_runs
+from ..store.sessions import decode_cursor, encode_cursor  # the cursor /v1/sessions issues
 
 MAX_LIMIT = 200
 
@@ -45,19 +45,6 @@ class SessionFilter:
     version_min: int | None = None  # sessions holding a sampled token in [version_min, version_max]
     version_max: int | None = None
     search: str | None = None  # session id prefix
-
-
-def encode_cursor(created_at: float, rowid: int) -> str:
-    return f"{created_at!r}:{rowid}"
-
-
-def decode_cursor(cursor: str) -> tuple[float, int]:
-    """``ValueError`` for anything that is not a cursor issued here."""
-    created, _, rowid = cursor.rpartition(":")
-    value = (float(created), int(rowid))
-    if not math.isfinite(value[0]):
-        raise ValueError("not a cursor")
-    return value
 
 
 SCAN = 1000  # sessions one page may look through for the filters that read turn rows
