@@ -114,13 +114,18 @@ def ui_router(store, pool, fmt, *, weight_log: WeightLog | None = None, metrics=
         view = await _view(sid)
         return JSONResponse(summary(view, pool.version))
 
-    @r.get("/ui/api/tokens")
-    async def tokens(request: Request):
-        q = request.query_params
+    async def _view_sample(q):
+        """The session named by ``id`` and the index of its sample named by ``sample`` (404 past the end)."""
         view = await _view(q.get("id") or "")
         k = _int(q, "sample", 0, 0)
         if k >= len(view.samples):
             raise APIError(404, f"the session has {len(view.samples)} samples", code="sample_not_found", param="sample")
+        return view, k
+
+    @r.get("/ui/api/tokens")
+    async def tokens(request: Request):
+        q = request.query_params
+        view, k = await _view_sample(q)
         start = _int(q, "start", 0, 0)
         count = _int(q, "count", 2048, 1, MAX_PAGE)
         return JSONResponse(await asyncio.to_thread(page, view, pieces, k, start, count))
@@ -128,10 +133,7 @@ def ui_router(store, pool, fmt, *, weight_log: WeightLog | None = None, metrics=
     @r.get("/ui/api/overview")
     async def overview_of(request: Request):
         q = request.query_params
-        view = await _view(q.get("id") or "")
-        k = _int(q, "sample", 0, 0)
-        if k >= len(view.samples):
-            raise APIError(404, f"the session has {len(view.samples)} samples", code="sample_not_found", param="sample")
+        view, k = await _view_sample(q)
         return JSONResponse(await asyncio.to_thread(overview, view, k, _int(q, "buckets", 600, 1, 4000)))
 
     @r.get("/ui/api/images/{image_hash}")
