@@ -71,12 +71,12 @@ def _where(f: SessionFilter) -> tuple[list[str], list]:
     if f.rewarded is not None:
         where.append("s.reward IS NOT NULL" if f.rewarded else "s.reward IS NULL")
     if f.fork_reason == "*":  # turns_fork: forks only
-        where.append("s.session_id IN (SELECT session_id FROM turns WHERE fork_reason IS NOT NULL)")
+        where.append("+s.session_id IN (SELECT session_id FROM turns WHERE fork_reason IS NOT NULL)")
     elif f.fork_reason:
-        where.append("s.session_id IN (SELECT session_id FROM turns WHERE fork_reason = ?)")
+        where.append("+s.session_id IN (SELECT session_id FROM turns WHERE fork_reason = ?)")
         args.append(f.fork_reason)
     if f.has_images is not None:  # turn_images: image turns only
-        probe = "s.session_id IN (SELECT t.session_id FROM turn_images ti JOIN turns t ON t.seq = ti.turn_seq)"
+        probe = "+s.session_id IN (SELECT t.session_id FROM turn_images ti CROSS JOIN turns t ON t.seq = ti.turn_seq)"
         where.append(probe if f.has_images else "NOT " + probe)
     return where, args
 

@@ -149,16 +149,32 @@ def test_a_cursor_from_elsewhere_is_refused(store):
             list_sessions(s.db, SessionFilter(), version=0, cursor=bad)
 
 
-@pytest.mark.parametrize("role", ["main", "auxiliary", "subagent"])
-def test_the_role_filter_reads_indexes_only_in_created_order(store, role):
-    """No scan of the turn rows and no sort of every match: a page stops after its rows."""
-    s, truth = store
-    assert {r for t in truth for r in t["roles"]} == {"main", "auxiliary", "subagent", "compacted"}
-    where, args = queries._where(SessionFilter(role=role))
+def _plan(s: Store, f: SessionFilter) -> list[str]:
+    where, args = queries._where(f)
     sql = f"SELECT s.session_id FROM sessions s WHERE {' AND '.join(where)} ORDER BY s.created_at DESC, s.rowid DESC LIMIT 5"
     with s.db.read() as c:
-        plan = [row[3] for row in c.execute("EXPLAIN QUERY PLAN " + sql, args)]
-    assert "SCAN s USING INDEX sessions_created" in plan, plan
+        return [row[3] for row in c.execute("EXPLAIN QUERY PLAN " + sql, args)]
+
+
+@pytest.mark.parametrize(
+    "f",
+    [SessionFilter(role="main"), SessionFilter(role="auxiliary"), SessionFilter(fork_reason="*"), SessionFilter(fork_reason="tools_changed"),
+     SessionFilter(has_images=True), SessionFilter(has_images=False)],
+    ids=repr,
+)  # fmt: skip
+def test_the_indexed_filters_walk_sessions_newest_first(store, f):
+    """A page stops after its rows: the walk is the created_at index, never a sort of every
+    match (with many matches that sort computes every match's columns: seconds at 100k)."""
+    plan = _plan(store[0], f)
+    assert plan[0] == "SCAN s USING INDEX sessions_created", plan
     assert not any("TEMP B-TREE" in p for p in plan), plan
+
+
+@pytest.mark.parametrize("role", ["main", "auxiliary", "subagent"])
+def test_the_role_filter_reads_indexes_only(store, role):
+    """Per candidate session, index probes only: never the wide turn rows."""
+    s, truth = store
+    assert {r for t in truth for r in t["roles"]} == {"main", "auxiliary", "subagent", "compacted"}
+    plan = _plan(s, SessionFilter(role=role))
     turn_steps = [p for p in plan if " t " in f" {p} " or "turns" in p]
     assert turn_steps and all(p.startswith("SEARCH t USING COVERING INDEX") for p in turn_steps), plan
