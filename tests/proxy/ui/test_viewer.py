@@ -303,6 +303,9 @@ def test_a_session_with_a_side_call_shows_each_turns_role_in_its_tree(signed_in,
         style = lambda e: driver.execute_script(  # noqa: E731
             "const s = getComputedStyle(arguments[0]); return [s.backgroundColor, s.borderLeftStyle]", e)
         assert style(li[1]) != style(li[0])
+        ink = lambda e: driver.execute_script("return getComputedStyle(arguments[0]).color", e)  # noqa: E731
+        main_ink = ink(driver.find_element(By.CSS_SELECTOR, "header#top + form, #main h2"))
+        assert ink(li[0]) == ink(li[1]) == main_ink  # the tree's text stays as readable as the page's
         # its tokens are shown in a sample of its own, marked as one a pull leaves out
         rows = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")] for tr in driver.find_elements(By.CSS_SELECTOR, "#samples tbody tr")]
         assert [(r[1], r[-1]) for r in rows] == [(kinds[0], "yes"), ("auxiliary", "no")]
@@ -313,3 +316,5 @@ def test_a_session_with_a_side_call_shows_each_turns_role_in_its_tree(signed_in,
         head = sections[1].find_element(By.CSS_SELECTOR, ".turn-head")
         assert head.get_attribute("data-turn-id") == ref[1]["turn_id"]
         assert head.find_element(By.CSS_SELECTOR, ".role").text == "auxiliary"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / "viewer-roles.png"))
