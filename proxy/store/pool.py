@@ -79,7 +79,7 @@ class TrainingPool:
                 count = dropped = 0
                 for session_id in unit.session_ids:
                     session = read_session(c, session_id)
-                    for sample in assemble_samples(session, self.turns.iter_tokens(c, session_id), train_auxiliary=self._auxiliary(c, session_id)):
+                    for sample in assemble_samples(session, self.turns.iter_tokens(c, session_id), train_auxiliary=self.auxiliary_pulled(c, session_id)):
                         if keep is None or keep(sample):
                             count += 1
                         else:
@@ -110,7 +110,7 @@ class TrainingPool:
             leases.create_lease(c, lease_id, taken, n_samples, now, lease_timeout_s)
         return Lease(lease_id, taken, n_samples, dropped)
 
-    def _auxiliary(self, c, session_id: str) -> bool:
+    def auxiliary_pulled(self, c, session_id: str) -> bool:
         """Whether the session's auxiliary turns are handed out: with --train-auxiliary, and in a
         session that has nothing else (a task whose only calls look like side calls, e.g. a
         structured-output answer without tools, is still an episode to learn from)."""
@@ -124,7 +124,7 @@ class TrainingPool:
         for session_id in session_ids:
             with self.db.read(snapshot=True) as c:
                 session = read_session(c, session_id)
-                samples = assemble_samples(session, self.turns.iter_tokens(c, session_id), train_auxiliary=self._auxiliary(c, session_id)) if session is not None else []
+                samples = assemble_samples(session, self.turns.iter_tokens(c, session_id), train_auxiliary=self.auxiliary_pulled(c, session_id)) if session is not None else []
             yield from (s for s in samples if keep is None or keep(s))
 
     def rewarded(self, *, since: float | None = None, acked: bool = False, after: tuple[float, str] | None = None,

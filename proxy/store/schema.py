@@ -54,6 +54,9 @@ CREATE TABLE IF NOT EXISTS turns (
 CREATE INDEX IF NOT EXISTS turns_parent ON turns(parent_turn_id) WHERE parent_turn_id IS NOT NULL;
 -- forks only (few rows): the viewer's fork filter and counts never read the wide token rows
 CREATE INDEX IF NOT EXISTS turns_fork ON turns(fork_reason, session_id) WHERE fork_reason IS NOT NULL;
+-- turns of a role other than `main` (side calls, sub-agents, compactions): the viewer's role
+-- filter and role column read this, never the wide token rows
+CREATE INDEX IF NOT EXISTS turns_role ON turns(session_id, role) WHERE role != 'main';
 
 -- Turn rows are written once; what changes later lives in small side tables, so a recompute
 -- never rewrites (and fragments) the large token rows.
@@ -138,8 +141,10 @@ CREATE TABLE IF NOT EXISTS turn_images (
 def _v2_to_v3(c: sqlite3.Connection) -> None:
     """Fingerprints may name several turns (was: the latest only)."""
     c.execute("ALTER TABLE fingerprints RENAME TO fingerprints_v2")
+    # the new table only: later parts of the schema (the role index) need later migrations first
     for stmt in _statements(SCHEMA):
-        c.execute(stmt)
+        if "TABLE IF NOT EXISTS fingerprints" in stmt:
+            c.execute(stmt)
     c.execute("INSERT OR IGNORE INTO fingerprints (fp, turn_seq) SELECT fp, turn_seq FROM fingerprints_v2")
     c.execute("DROP TABLE fingerprints_v2")
 

@@ -146,7 +146,10 @@ def open_times(url: str, session_id: str, runs: int, chromium: str, chromedriver
 
 def build_table(store_path: str, n_sessions: int) -> None:
     """``n_sessions`` sessions of two turns each, written with plain inserts (fast to build);
-    one in 1,000 has a fork, one in 10 a reward, versions grow with creation time."""
+    one in 1,000 has a ``tools_changed`` fork and a third more a ``history_edited`` one, one in
+    4 an image, one in 10 a reward, versions grow with creation time. Episode roles: half add a
+    side call (a third turn, ``auxiliary``), one in 5,000 starts with a sub-agent's turn, one in
+    50,000 holds only a compacted restart."""
     from ..store import Store
     from ..store.packing import pack_runs
 
@@ -156,21 +159,26 @@ def build_table(store_path: str, n_sessions: int) -> None:
             sampling = c.execute("INSERT INTO samplings (json) VALUES (?)", (b'{"engine_id":"http://engine-a:30000"}',)).lastrowid
             out = np.arange(100, 164, dtype=np.int32).tobytes()
             lps = np.full(64, -0.5, np.float32).tobytes()
-            sessions, turns = [], []
+            sessions, turns, images = [], [], []
             for k in range(n_sessions):
                 sid = f"s{k:07d}"
                 v = k * 20 // n_sessions
                 sessions.append((sid, f"g{k // 8}", 8, 1.0 if k % 10 == 0 else None, int(k % 10 == 0), 1e9 + k))
-                for i in range(2):
-                    fork = "tools_changed" if (i == 1 and k % 1000 == 0) else None
-                    turns.append((f"{sid}-t{i}", sid, i, f"{sid}-t0" if i else None, None, 0, out, 200, 64, out, lps,
-                                  pack_runs(np.full(64, v, np.int32)), int(i == 1 and not fork), fork, "stop", 1e9 + k + i / 2,
-                                  sampling, 0, "chat", f"r{sid}-{i}"))  # fmt: skip
+                roles = ["compacted"] if k % 50_000 == 1 else ["subagent", "main"] if k % 5000 == 0 else ["main", "main"]
+                roles += ["auxiliary"] if k % 2 == 0 else []
+                for i, role in enumerate(roles):
+                    fork = ("tools_changed" if k % 1000 == 0 else "history_edited" if k % 3 == 1 else None) if i == 1 else None
+                    turns.append((f"{sid}-t{i}", sid, i, f"{sid}-t0" if i == 1 else None, None, 0, out, 200, 64, out, lps,
+                                  pack_runs(np.full(64, v, np.int32)), int(i == 1 and not fork), fork, "stop", 1e9 + k + i / 3,
+                                  sampling, 0, "chat", f"r{sid}-{i}", role))  # fmt: skip
+                    if i == 0 and k % 4 == 0:
+                        images.append(f"{sid}-t0")
             c.executemany("INSERT INTO sessions (session_id, group_id, group_size, reward, closed, created_at) VALUES (?,?,?,?,?,?)", sessions)
             c.executemany(
                 "INSERT INTO turns (turn_id, session_id, idx, parent_turn_id, prompt_base, prompt_base_len, prompt_tail, n_prompt, "
                 "n_output, output_ids, logprobs, versions, spliced, fork_reason, finish_reason, created_at, sampling_id, drift, "
-                "api, response_id) VALUES (" + ",".join("?" * 20) + ")", turns)  # fmt: skip
+                "api, response_id, role) VALUES (" + ",".join("?" * 21) + ")", turns)  # fmt: skip
+            c.executemany("INSERT INTO turn_images (turn_seq, refs) SELECT seq, x'' FROM turns WHERE turn_id = ?", [(t,) for t in images])
     finally:
         store.close()
 
@@ -191,7 +199,15 @@ def table_times(store_path: str, reps: int = 5) -> list[tuple[str, float, int]]:
             ("rewarded", SessionFilter(rewarded=True), None),
             ("one group", SessionFilter(group_id="g42"), None),
             ("fork reason (1 in 1,000)", SessionFilter(fork_reason="tools_changed"), None),
-            ("has images (none)", SessionFilter(has_images=True), None),
+            ("fork reason (1 in 3)", SessionFilter(fork_reason="history_edited"), None),
+            ("any fork", SessionFilter(fork_reason="*"), None),
+            ("has images (1 in 4)", SessionFilter(has_images=True), None),
+            ("no images", SessionFilter(has_images=False), None),
+            ("role main", SessionFilter(role="main"), None),
+            ("role auxiliary (1 in 2)", SessionFilter(role="auxiliary"), None),
+            ("role subagent (1 in 5,000)", SessionFilter(role="subagent"), None),
+            ("role compacted (1 in 50,000)", SessionFilter(role="compacted"), None),
+            ("role aux. and rewarded", SessionFilter(role="auxiliary", rewarded=True), None),
             ("engine", SessionFilter(engine="engine-a"), None),
             ("versions 3-4 (old)", SessionFilter(version_min=3, version_max=4), None),
         ]
@@ -212,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     from engines.reference.launch import free_port
 
     ap = argparse.ArgumentParser(prog="python -m proxy.ui.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=100_000)
+    ap.add_argument("--tokens", type=int, default=100_000, help="tokens of the session opened in Chromium (0: skip it)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--chromium", default="/usr/bin/chromium")
     ap.add_argument("--chromedriver", default="/usr/bin/chromedriver")
@@ -222,11 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.sessions:
             build_table(str(tmp / "table.sqlite"), args.sessions)
-            print(f"sessions table, {args.sessions} sessions of two turns, pages of 50")
+            print(f"sessions table, {args.sessions} sessions of two or three turns, pages of 50")
             print(f"{'filter':<28}{'ms per page':>12}{'rows':>6}")
             for name, ms, rows in table_times(str(tmp / "table.sqlite")):
                 print(f"{name:<28}{ms:>12.1f}{rows:>6}")
             print()
+        if not args.tokens:
+            return 0
         store = str(tmp / "s.sqlite")
         n = build_session(store, args.tokens)
         port = free_port()

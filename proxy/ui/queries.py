@@ -2,7 +2,8 @@
 
 One indexed walk of ``sessions`` newest first (``sessions_created``), the filters as
 ``EXISTS`` probes on the turns of each candidate session (``turns``' ``(session_id, idx)``
-key), and the columns computed only for the rows of the page. Version ranges and staleness
+key, or the small ``turns_role`` index of the turns whose role is not ``main``), and the
+columns computed only for the rows of the page. Version ranges and staleness
 come from the run-length version blobs, decoded by two SQL functions registered on the
 reading connection (a few runs per turn). Nothing here writes.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..session.roles import ROLES
 from ..store.packing import unpack_runs
 from ..store.sessions import decode_cursor, encode_cursor  # the cursor /v1/sessions issues
 
@@ -38,6 +40,7 @@ class SessionFilter:
     """What the sessions table may be narrowed by; ``None`` is "any"."""
 
     group_id: str | None = None
+    role: str | None = None  # sessions holding a turn of this episode role (proxy.session.roles)
     rewarded: bool | None = None
     fork_reason: str | None = None  # "*": any fork at all
     has_images: bool | None = None
@@ -60,15 +63,20 @@ def _where(f: SessionFilter) -> tuple[list[str], list]:
     if f.search:
         where.append("s.session_id >= ? AND s.session_id < ?")
         args += [f.search, f.search + "\U0010ffff"]
+    if f.role == "main":  # a turn not counted by turns_role: compare two index counts
+        where.append(f"{_N_TURNS} > {_N_OTHER}")
+    elif f.role is not None:  # a probe of turns_role per candidate, walking sessions_created in order
+        where.append("EXISTS (SELECT 1 FROM turns t WHERE t.session_id = s.session_id AND t.role = ? AND t.role != 'main')")
+        args.append(f.role)
     if f.rewarded is not None:
         where.append("s.reward IS NOT NULL" if f.rewarded else "s.reward IS NULL")
     if f.fork_reason == "*":  # turns_fork: forks only
-        where.append("s.session_id IN (SELECT session_id FROM turns WHERE fork_reason IS NOT NULL)")
+        where.append("+s.session_id IN (SELECT session_id FROM turns WHERE fork_reason IS NOT NULL)")
     elif f.fork_reason:
-        where.append("s.session_id IN (SELECT session_id FROM turns WHERE fork_reason = ?)")
+        where.append("+s.session_id IN (SELECT session_id FROM turns WHERE fork_reason = ?)")
         args.append(f.fork_reason)
     if f.has_images is not None:  # turn_images: image turns only
-        probe = "s.session_id IN (SELECT t.session_id FROM turn_images ti JOIN turns t ON t.seq = ti.turn_seq)"
+        probe = "+s.session_id IN (SELECT t.session_id FROM turn_images ti CROSS JOIN turns t ON t.seq = ti.turn_seq)"
         where.append(probe if f.has_images else "NOT " + probe)
     return where, args
 
@@ -94,9 +102,14 @@ def _scanned(f: SessionFilter) -> tuple[list[str], list]:
     return where, args
 
 
+# Both counts read indexes only: (session_id, idx) for every turn, turns_role for the others.
+_N_TURNS = "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.session_id)"
+_N_OTHER = "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.session_id AND t.role != 'main')"
+
 COLUMNS = (
     "s.session_id, s.group_id, s.group_size, s.reward, s.closed, s.created_at, s.lease_id, s.acked, s.rowid, "
-    "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.session_id), "
+    f"{_N_TURNS}, {_N_OTHER}, "
+    "(SELECT group_concat(DISTINCT t.role) FROM turns t WHERE t.session_id = s.session_id AND t.role != 'main'), "
     "(SELECT COALESCE(SUM(t.n_output), 0) FROM turns t WHERE t.session_id = s.session_id), "
     "(SELECT COALESCE(MAX(t.n_prompt + t.n_output), 0) FROM turns t WHERE t.session_id = s.session_id), "
     "(SELECT COUNT(*) FROM turns t WHERE t.fork_reason IS NOT NULL AND t.session_id = s.session_id), "
@@ -138,8 +151,8 @@ def list_sessions(db, f: SessionFilter, *, version: int, cursor: str | None = No
     more = len(rows) > limit
     rows = rows[:limit]
     out = []
-    for (sid, gid, gsize, reward, closed, created, lease_id, acked, _rowid, n_turns, n_out, n_ctx, n_forks, vmin, last,
-         images) in rows:  # fmt: skip
+    for (sid, gid, gsize, reward, closed, created, lease_id, acked, _rowid, n_turns, n_other, other_roles, n_out, n_ctx,
+         n_forks, vmin, last, images) in rows:  # fmt: skip
         out.append(
             {
                 "session_id": sid,
@@ -151,6 +164,7 @@ def list_sessions(db, f: SessionFilter, *, version: int, cursor: str | None = No
                 "acked": bool(acked),
                 "created_at": created,
                 "turns": n_turns,
+                "roles": _roles(n_turns > n_other, other_roles),
                 "tokens": n_out,  # sampled tokens, every turn
                 "context": n_ctx,  # the longest prompt + output
                 "forks": n_forks,
@@ -168,6 +182,14 @@ def list_sessions(db, f: SessionFilter, *, version: int, cursor: str | None = No
         nxt = None
     return {"data": out, "next_cursor": nxt, "has_more": nxt is not None,
             "scanned_to": None if window_end is None else window_end[0]}  # fmt: skip
+
+
+def _roles(has_main: bool, others: str | None) -> list[str]:
+    """The roles a session's turns hold, in ``ROLES`` order (``main`` first)."""
+    held = set(others.split(",")) if others else set()
+    if has_main:
+        held.add("main")
+    return [r for r in ROLES if r in held] + sorted(held - set(ROLES))
 
 
 def fork_reasons(db) -> list[str]:

@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from ..api.jsonio import JSONResponse
 from ..errors import APIError
+from ..session.roles import ROLES
 from . import queries
 from .now import WeightLog, now
 from .view import MAX_PAGE, Pieces, Segmenter, ViewCache, overview, page, summary
@@ -54,6 +55,15 @@ def _int(q, name: str, default: int | None = None, lo: int = -(2**31), hi: int =
     return x
 
 
+def _role(q) -> str | None:
+    v = (q.get("role") or "").strip().lower()
+    if v in ("", "any"):
+        return None
+    if v not in ROLES:
+        raise APIError(400, f"role must be one of {', '.join(ROLES)}, got {v!r}", code="invalid_value", param="role")
+    return v
+
+
 def ui_router(store, pool, fmt, *, weight_log: WeightLog | None = None, metrics=None) -> APIRouter:
     r = APIRouter(include_in_schema=False)
     tokenizer = fmt.tokenizer
@@ -79,6 +89,7 @@ def ui_router(store, pool, fmt, *, weight_log: WeightLog | None = None, metrics=
         q = request.query_params
         f = queries.SessionFilter(
             group_id=q.get("group") or None,
+            role=_role(q),
             rewarded=_bool(q, "rewarded"),
             fork_reason=q.get("fork_reason") or None,
             has_images=_bool(q, "has_images"),
@@ -100,7 +111,7 @@ def ui_router(store, pool, fmt, *, weight_log: WeightLog | None = None, metrics=
     async def choices():
         reasons = await asyncio.to_thread(queries.fork_reasons, store.db)
         engines = await asyncio.to_thread(queries.engines, store.db)
-        return JSONResponse({"fork_reasons": reasons, "engines": engines, "version": pool.version})
+        return JSONResponse({"fork_reasons": reasons, "engines": engines, "roles": list(ROLES), "version": pool.version})
 
     async def _view(session_id: str):
         view = await asyncio.to_thread(views.get, session_id)

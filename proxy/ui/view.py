@@ -45,6 +45,7 @@ class TurnMeta:
     vmin: int | None
     vmax: int | None
     sampling: dict
+    role: str = "main"  # the episode role the turn was recorded with (proxy.session.roles)
 
     @property
     def edge(self) -> str:
@@ -74,6 +75,7 @@ class TurnMeta:
             "engine_id": self.sampling.get("engine_id"),
             "model": self.sampling.get("model"),
             "trainable": self.sampling.get("trainable") is not False,
+            "role": self.role,
         }
 
 
@@ -85,12 +87,13 @@ class SessionView:
     owners: list[np.ndarray]  # per sample: index of the turn each token belongs to (int32)
     src: list[np.ndarray]  # per sample: 0 bridge (context), 1 sampled (uint8)
     segs: list[np.ndarray]  # per sample: TEXT / REASONING / TOOL / SPECIAL / IMAGE (uint8)
+    pulled: list[bool]  # per sample: whether a pull hands it out (side calls are shown, not pulled)
 
 
 _TURNS = (
     "SELECT t.turn_id, t.idx, t.parent_turn_id, t.spliced, t.fork_reason, t.finish_reason, t.created_at, "
     "t.n_prompt, t.n_output, t.drift, t.api, EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq), "
-    "t.versions, sm.json FROM turns t JOIN samplings sm ON sm.id = t.sampling_id WHERE t.session_id = ? ORDER BY t.idx"
+    "t.versions, sm.json, t.role FROM turns t JOIN samplings sm ON sm.id = t.sampling_id WHERE t.session_id = ? ORDER BY t.idx"
 )
 _STAMP = (
     "SELECT COUNT(*), MAX(t.seq), MAX(p.id), (SELECT COUNT(*) FROM abandoned a JOIN turns k ON k.seq = a.turn_seq "
@@ -160,14 +163,25 @@ class ViewCache:
     def _build(self, c, session: SessionRecord) -> SessionView:
         turns = []
         for (tid, idx, parent, spliced, fork, finish, created, n_prompt, n_output, drift, api, abandoned, vblob,
-             sampling) in c.execute(_TURNS, (session.session_id,)):  # fmt: skip
+             sampling, role) in c.execute(_TURNS, (session.session_id,)):  # fmt: skip
             v = unpack_runs(vblob)
             turns.append(
                 TurnMeta(tid, idx, parent, bool(spliced), fork, finish, created, n_prompt, n_output, bool(drift), api,
                          bool(abandoned), int(v.min()) if v.size else None, int(v.max()) if v.size else None,
-                         orjson.loads(sampling))
+                         orjson.loads(sampling), role)
             )  # fmt: skip
-        samples = assemble_samples(session, self.store.turns.iter_tokens(c, session.session_id))
+        sid = session.session_id
+        aux_pulled = self.store.pool.auxiliary_pulled(c, sid)
+        samples = assemble_samples(session, self.store.turns.iter_tokens(c, sid), train_auxiliary=aux_pulled)
+        pulled = [True] * len(samples)
+        if not aux_pulled and any(t.role == "auxiliary" and not t.abandoned for t in turns):
+            # side calls a pull leaves out: shown after the pulled samples, under ids of their own
+            aux = (t for t in self.store.turns.iter_tokens(c, sid) if t.role == "auxiliary")
+            side = assemble_samples(session, aux, train_auxiliary=True)
+            for k, s in enumerate(side):
+                s.sample_id = f"{sid}:side{k}"
+            samples += side
+            pulled += [False] * len(side)
         by_id = {t.turn_id: k for k, t in enumerate(turns)}
         owners, srcs, segs = [], [], []
         for s in samples:
@@ -180,7 +194,7 @@ class ViewCache:
             owners.append(owner)
             srcs.append(src)
             segs.append(self.segmenter.segments(s.input_ids, s.images))
-        return SessionView(session, turns, samples, owners, srcs, segs)
+        return SessionView(session, turns, samples, owners, srcs, segs, pulled)
 
 
 class Pieces:
@@ -220,6 +234,8 @@ def summary(view: SessionView, version: int) -> dict:
                 "n_tokens": len(s),
                 "loss_tokens": int(s.loss_mask.sum()),
                 "trainable": bool(s.trainable),
+                "role": s.role,
+                "pulled": view.pulled[k],
                 "reward": s.reward,
                 "turns": spans,
                 "images": [r.to_dict() for r in s.images],
@@ -230,15 +246,18 @@ def summary(view: SessionView, version: int) -> dict:
     for t in turns:
         t["placement"] = placed.get(t["turn_id"])
     forks: dict[str, int] = {}
+    roles: dict[str, int] = {}
     for t in view.turns:
         if t.fork_reason:
             forks[t.fork_reason] = forks.get(t.fork_reason, 0) + 1
+        roles[t.role] = roles.get(t.role, 0) + 1
     return {
         "session": view.session.to_dict(),
         "version": version,
         "turns": turns,
         "samples": samples,
         "forks": forks,
+        "roles": roles,
         "n_tokens": sum(len(s) for s in view.samples),
     }
 

@@ -27,6 +27,9 @@ const el = (tag, props = {}, ...kids) => {
 };
 const fmt = (x, d = 4) => (x === null || x === undefined ? "—" : Number(x).toFixed(d));
 const when = (t) => (t ? new Date(t * 1000).toLocaleString() : "—");
+// an episode role's badge (proxy/session/roles.py): main is the agent's own conversation,
+// the others are set apart
+const roleBadge = (role) => el("span", { class: "role role-" + role, "data-role": role, text: role });
 const short = (s, n = 28) => (s && s.length > n ? s.slice(0, n - 1) + "…" : s || "");
 
 // ---------------------------------------------------------------- credentials and requests
@@ -104,7 +107,7 @@ async function route() {
 
 // ---------------------------------------------------------------- sessions table
 
-const FILTERS = ["q", "group", "rewarded", "fork_reason", "has_images", "engine", "version_min", "version_max", "limit"];
+const FILTERS = ["q", "group", "role", "rewarded", "fork_reason", "has_images", "engine", "version_min", "version_max", "limit"];
 
 async function sessionsPage(params) {
   const choices = await api("choices");
@@ -114,11 +117,14 @@ async function sessionsPage(params) {
       el("option", { value: "", text: "any" }), el("option", { value: "true", text: "yes" }), el("option", { value: "false", text: "no" })));
   const reasons = el("select", { name: "fork_reason" }, el("option", { value: "", text: "any" }), el("option", { value: "*", text: "any fork" }),
     ...choices.fork_reasons.map((r) => el("option", { value: r, text: r })));
+  const roles = el("select", { name: "role" }, el("option", { value: "", text: "any" }),
+    ...choices.roles.map((r) => el("option", { value: r, text: r })));
   const engines = el("select", { name: "engine" }, el("option", { value: "", text: "any" }),
     ...choices.engines.map((r) => el("option", { value: r, text: r })));
   const form = el("form", { id: "filters" },
     el("label", {}, "session ", el("input", { name: "q", placeholder: "id prefix", size: 14 })),
     el("label", {}, "group ", el("input", { name: "group", size: 10 })),
+    el("label", { title: "sessions holding a turn of this episode role" }, "role ", roles),
     tri("rewarded", "rewarded"),
     el("label", {}, "fork ", reasons),
     tri("has_images", "images"),
@@ -129,7 +135,7 @@ async function sessionsPage(params) {
     el("button", { type: "submit", text: "Filter" }));
   for (const k of FILTERS) if (params.get(k) !== null && form.elements[k]) form.elements[k].value = params.get(k);
   const table = el("table", { id: "sessions-table", class: "grid" },
-    el("thead", {}, el("tr", {}, ...["session", "group", "turns", "tokens", "context", "reward", "forks", "staleness", "images", "last activity"]
+    el("thead", {}, el("tr", {}, ...["session", "group", "roles", "turns", "tokens", "context", "reward", "forks", "staleness", "images", "last activity"]
       .map((h) => el("th", { text: h })))), el("tbody"));
   const pager = el("div", { class: "pager" },
     el("button", { id: "prev", type: "button", text: "← newer" }), el("span", { id: "page-no" }),
@@ -145,6 +151,7 @@ async function sessionsPage(params) {
       el("tr", { "data-session": s.session_id },
         el("td", {}, el("a", { href: "#/s/" + encodeURIComponent(s.session_id), text: short(s.session_id, 36), title: s.session_id })),
         el("td", { text: s.group_id || "" }),
+        el("td", { class: "roles" }, ...s.roles.map(roleBadge)),
         el("td", { class: "n", text: s.turns }), el("td", { class: "n", text: s.tokens }), el("td", { class: "n", text: s.context }),
         el("td", { class: "n", text: s.reward === null ? "—" : s.reward }),
         el("td", { class: "n", text: s.forks }),
@@ -152,7 +159,7 @@ async function sessionsPage(params) {
         el("td", { text: s.has_images ? "yes" : "" }),
         el("td", { text: when(s.last_activity) })));
     $("tbody", table).replaceChildren(...rows);
-    if (!rows.length) $("tbody", table).append(el("tr", {}, el("td", { colspan: 10, class: "empty", text: "no sessions" })));
+    if (!rows.length) $("tbody", table).append(el("tr", {}, el("td", { colspan: 11, class: "empty", text: "no sessions" })));
     cursors[pageNo + 1] = body.next_cursor;
     $("#page-no").textContent = "page " + (pageNo + 1) +
       (body.scanned_to ? ` (looked through sessions back to ${when(body.scanned_to)}; older → looks further)` : "");
@@ -234,12 +241,13 @@ function treeView(turns, onPick) {
   const node = (t) => {
     const edge = t.edge === "fork" ? "fork: " + (t.fork_reason || "?") : t.edge;
     const label = el("a", { href: "#", class: "turn-link", onclick: (ev) => { ev.preventDefault(); onPick(t); } },
-      `#${t.index}`, el("span", { class: "edge " + t.edge, text: edge }),
+      `#${t.index}`, el("span", { class: "edge " + t.edge, text: edge }), roleBadge(t.role),
       ` ${t.n_prompt}+${t.n_output} tok · v${t.version_min ?? "–"}${t.version_max !== t.version_min ? "→" + t.version_max : ""} · ${t.finish_reason}`,
       t.abandoned ? el("span", { class: "bad", text: " abandoned" }) : null,
       t.drift ? el("span", { class: "warn", text: " drift avoided" }) : null,
       t.trainable ? null : el("span", { class: "bad", text: " untrainable" }));
-    const li = el("li", { class: "edge-" + t.edge, "data-turn-id": t.turn_id, "data-index": t.index }, label);
+    const li = el("li", { class: `edge-${t.edge} role-${t.role}` + (t.role === "main" ? "" : " aux"), "data-turn-id": t.turn_id,
+      "data-index": t.index, "data-role": t.role, title: t.role === "main" ? null : `a ${t.role} turn, not the agent's main conversation` }, label);
     const sub = kids.get(t.turn_id);
     if (sub) li.append(el("ul", {}, ...sub.map(node)));
     return li;
@@ -264,8 +272,10 @@ class TokenView {
     this.canvas = el("canvas", { class: "overview", width: 1200, height: 14, title: "the whole sample: click to go there" });
     this.canvas.addEventListener("click", (ev) => this.jump(ev));
     this.root = el("section", { class: "sample", "data-sample": k },
-      el("h3", { text: `Sample ${sample.sample_id} · ${sample.n_tokens} tokens · ${sample.loss_tokens} trained` +
-        (sample.trainable ? "" : " · untrainable") }), this.canvas, this.body, this.more);
+      el("h3", {}, `Sample ${sample.sample_id} · ${sample.n_tokens} tokens · ${sample.loss_tokens} trained` +
+        (sample.trainable ? "" : " · untrainable") + " · ", roleBadge(sample.role),
+        sample.pulled ? null : el("span", { class: "muted", text: " a side call: not handed to the trainer (--train-auxiliary)" })),
+      this.canvas, this.body, this.more);
     this.observer = new IntersectionObserver((es) => es.some((e) => e.isIntersecting) && this.next(), { rootMargin: "600px" });
     this.observer.observe(this.more);
   }
@@ -299,7 +309,7 @@ class TokenView {
         this.lastOwner = owner;
         const t = this.turns[owner];
         frag.append(el("div", { class: "turn-head", id: `turn-${this.k}-${t.index}`, "data-turn-id": t.turn_id },
-          `Turn #${t.index} · `, el("span", { class: "edge " + t.edge, text: t.edge === "fork" ? "fork: " + t.fork_reason : t.edge }),
+          `Turn #${t.index} · `, el("span", { class: "edge " + t.edge, text: t.edge === "fork" ? "fork: " + t.fork_reason : t.edge }), roleBadge(t.role),
           ` · ${t.finish_reason} · ${t.api}`));
       }
       if (d.src[j] === 1 && (j === 0 || d.src[j - 1] === 0 || d.turn[j - 1] !== owner)) {
@@ -406,16 +416,17 @@ async function sessionPage(sid) {
     el("h2", { text: "Session " + sess.session_id }),
     el("p", {}, `group ${sess.group_id || "—"} · reward `, el("b", { id: "reward", text: sess.reward === null ? "none yet" : sess.reward }),
       ` · ${sess.closed ? "closed" : "open"} · ${sess.acked ? "acked" : sess.leased ? "leased" : "not pulled"}`,
-      ` · ${s.turns.length} turns · ${s.n_tokens} tokens · forks: ${Object.entries(s.forks).map(([k, v]) => k + " ×" + v).join(", ") || "none"}`,
+      ` · ${s.turns.length} turns (`, ...Object.entries(s.roles).flatMap(([r, n], k) => [k ? ", " : "", roleBadge(r), " ×" + n]), ")",
+      ` · ${s.n_tokens} tokens · forks: ${Object.entries(s.forks).map(([k, v]) => k + " ×" + v).join(", ") || "none"}`,
       ` · proxy at v${s.version}`));
   const samples = el("table", { id: "samples", class: "grid" },
-    el("thead", {}, el("tr", {}, ...["sample", "tokens", "trained", "turns", "versions", "images", "reward", "trainable"].map((h) => el("th", { text: h })))),
+    el("thead", {}, el("tr", {}, ...["sample", "role", "tokens", "trained", "turns", "versions", "images", "reward", "trainable", "pulled"].map((h) => el("th", { text: h })))),
     el("tbody", {}, ...s.samples.map((x) => el("tr", {},
-      el("td", { text: x.sample_id }), el("td", { class: "n", text: x.n_tokens }), el("td", { class: "n", text: x.loss_tokens }),
+      el("td", { text: x.sample_id }), el("td", {}, roleBadge(x.role)), el("td", { class: "n", text: x.n_tokens }), el("td", { class: "n", text: x.loss_tokens }),
       el("td", { text: x.turns.map((t) => "#" + t.index).join(" ") }),
       el("td", { text: x.version_min === null ? "—" : x.version_min === x.version_max ? "v" + x.version_min : `v${x.version_min}–v${x.version_max}` }),
       el("td", { class: "n", text: x.images.length }), el("td", { text: x.reward === null ? "—" : x.reward }),
-      el("td", { text: x.trainable ? "yes" : "no" })))));
+      el("td", { text: x.trainable ? "yes" : "no" }), el("td", { text: x.pulled ? "yes" : "no" })))));
   const views = s.samples.map((x, k) => new TokenView(sid, k, x, s.turns, channel.value));
   const pick = async (t) => {
     if (!t.placement) return;

@@ -24,6 +24,7 @@ def test_a_schema_4_store_is_migrated_and_its_turns_are_main(tmp_path):
         s.turns.add(build_turn("a", 0, [1, 2, 3], [4, 5]))
     # the file as Splice 4 wrote it: no role column, user_version 4
     c = sqlite3.connect(path)
+    c.execute("DROP INDEX turns_role")
     c.execute("ALTER TABLE turns DROP COLUMN role")
     c.execute("PRAGMA user_version=4")
     c.commit()
@@ -36,6 +37,7 @@ def test_a_schema_4_store_is_migrated_and_its_turns_are_main(tmp_path):
         assert [t.role for t in s.turns.list("a")] == ["main", "subagent"]
     c = sqlite3.connect(path)
     assert c.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    assert c.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'turns_role'").fetchone() is not None
     c.close()
 
 

@@ -5,7 +5,8 @@ The recorded session the viewer tests look at: turn 0 carries an image and is st
 the engines are paused, given new weights (version 1) and resumed, so its versions change in
 the middle of the turn; turn 1 is spliced onto it and calls a tool; turn 2 offers tools the
 history never had, so it forks (``tools_changed``). Other sessions fill the table: a rewarded
-group, unrewarded ones.
+group, unrewarded ones, and two with turns of other episode roles (``X-Splice-Role``): an agent's
+conversation with a side call (a title), and a sub-agent's conversation with a side call.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ LONG = (
 CALL = '<tool_call>\n{"name": "click", "arguments": {"x": 120, "y": 48}}\n</tool_call><|im_end|>'
 SCRIPT = [LONG, CALL, "Done: the form was submitted.<|im_end|>"] + [f"Answer {k}.<|im_end|>" for k in range(40)]
 DELAY_MS = 35
+TITLE_REQUEST = "Write a five-word title for this conversation."
 TOOLS = [{"type": "function", "function": {"name": "click", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}}}]
 
 
@@ -202,7 +204,15 @@ def recorded(tmp_path_factory, vl_dir):
         for sid in others[:3]:
             r = httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", json={"reward": 0.5}, headers=AUTH, timeout=30)
             assert r.status_code == 200, r.text
-        yield {"proxy": proxy, "main": main, "others": others, "group": group, "vl_dir": vl_dir}
+        # episode roles: an agent's main turn and a side call; a sub-agent's turn and a side call
+        episode = "episode-" + uuid.uuid4().hex[:6]
+        chat(proxy, episode, [{"role": "user", "content": "Click the button."}], tools=TOOLS)
+        chat(proxy, episode, [{"role": "user", "content": TITLE_REQUEST}], headers={"X-Splice-Role": "auxiliary"})
+        subagent = "subagent-" + uuid.uuid4().hex[:6]
+        chat(proxy, subagent, [{"role": "user", "content": "Find the form."}], headers={"X-Splice-Role": "subagent"}, tools=TOOLS)
+        chat(proxy, subagent, [{"role": "user", "content": TITLE_REQUEST}], headers={"X-Splice-Role": "auxiliary"})
+        yield {"proxy": proxy, "main": main, "others": others, "group": group, "vl_dir": vl_dir, "episode": episode,
+               "subagent": subagent}
     finally:
         kill_tree(proxy)
 

@@ -67,10 +67,14 @@ def test_the_data_takes_the_session_reading_credential_only(tmp_path, token):
 def test_bad_parameters_are_clear_errors(tmp_path):
     with _client(tmp_path) as c:
         for path, param in [("/ui/api/sessions?rewarded=maybe", "rewarded"), ("/ui/api/sessions?limit=0", "limit"),
-                            ("/ui/api/sessions?version_min=x", "version_min"), ("/ui/api/sessions?cursor=zz", "cursor")]:  # fmt: skip
+                            ("/ui/api/sessions?version_min=x", "version_min"), ("/ui/api/sessions?cursor=zz", "cursor"),
+                            ("/ui/api/sessions?role=title", "role")]:  # fmt: skip
             r = c.get(path)
             assert r.status_code == 400, path
             assert r.json()["error"]["param"] == param
+        assert "one of main, auxiliary, subagent, compacted" in c.get("/ui/api/sessions?role=title").json()["error"]["message"]
+        assert c.get("/ui/api/sessions?role=Auxiliary").status_code == 200
+        assert c.get("/ui/api/choices").json()["roles"] == ["main", "auxiliary", "subagent", "compacted"]
         r = c.get("/ui/api/session?id=none")
         assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
         assert c.get("/ui/api/images/" + "0" * 64).status_code == 404

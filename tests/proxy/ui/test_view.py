@@ -110,3 +110,37 @@ def test_the_overview_summarises_runs_of_tokens(recorded, buckets):
             assert o["delta"][b] == pytest.approx(0.25, abs=1e-6)
     if buckets >= n:  # one token per run: the last run is the last sampled token
         assert o["version"][-1] == t1.versions[-1] and o["src"][-1] == 1.0
+
+
+@pytest.mark.parametrize("train_auxiliary", [False, True])
+def test_turns_carry_their_role_and_side_calls_are_shown_as_pulled_or_not(tmp_path, train_auxiliary):
+    """The samples listed are exactly the ones a pull hands out (same ids); a side call a pull
+    leaves out is listed after them, marked, so its text can still be read."""
+    import dataclasses
+
+    p0 = _ids("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    o0 = _ids("ok<|im_end|>")
+    pt = _ids("<|im_start|>user\nWrite a title.<|im_end|>\n<|im_start|>assistant\n")
+    ot = _ids("Greeting<|im_end|>")
+    turns = [
+        _turn(0, None, p0, o0, [0] * len(o0), spliced=False),
+        dataclasses.replace(_turn(1, None, pt, ot, [0] * len(ot), spliced=False), role="auxiliary"),
+    ]
+    with Store(str(tmp_path / "s.sqlite")) as store:
+        store.pool.train_auxiliary = train_auxiliary
+        store.sessions.upsert("s")
+        for t in turns:
+            store.turns.add(t)
+        head = summary(ViewCache(store, Segmenter(TOK)).get("s"), version=0)
+        pulled = [s.sample_id for s in store.pool.samples(["s"])]
+    assert [t["role"] for t in head["turns"]] == ["main", "auxiliary"]
+    assert head["roles"] == {"main": 1, "auxiliary": 1}
+    listed = [(s["sample_id"], s["role"], s["pulled"]) for s in head["samples"]]
+    if train_auxiliary:
+        assert listed == [("s:0", "main", True), ("s:1", "auxiliary", True)]
+    else:
+        assert listed == [("s:0", "main", True), ("s:side0", "auxiliary", False)]
+    assert [sid for sid, _, was_pulled in listed if was_pulled] == pulled
+    side = head["samples"][1]
+    assert side["n_tokens"] == len(pt) + len(ot) and side["loss_tokens"] == len(ot)
+    assert head["turns"][1]["placement"] == {"sample": 1, "context_start": 0, "start": len(pt), "length": len(ot)}

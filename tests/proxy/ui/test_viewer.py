@@ -56,7 +56,7 @@ def _filter(driver, **values) -> list[str]:
         box.clear()
         if name in values:
             box.send_keys(str(values[name]))
-    for name in ("rewarded", "fork_reason", "has_images", "engine"):
+    for name in ("role", "rewarded", "fork_reason", "has_images", "engine"):
         Select(form.find_element(By.NAME, name)).select_by_value(str(values.get(name, "")))
     driver.execute_script("document.body.dataset.ready = ''")
     form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
@@ -83,10 +83,11 @@ def test_the_sessions_table_filters_and_pages(signed_in, recorded):
     assert _rows(driver) == newest_first
     row = driver.find_element(By.CSS_SELECTOR, f'tr[data-session="{main}"]').find_elements(By.TAG_NAME, "td")
     main_ref = _session(proxy, main)
-    assert int(row[2].text) == len(main_ref["turns"])
-    assert int(row[3].text) == sum(len(t["output_ids"]) for t in main_ref["turns"])
-    assert int(row[6].text) == sum(1 for t in main_ref["turns"] if t["fork_reason"])
-    assert row[8].text == "yes"  # has images
+    assert row[2].text == "main"  # roles
+    assert int(row[3].text) == len(main_ref["turns"])
+    assert int(row[4].text) == sum(len(t["output_ids"]) for t in main_ref["turns"])
+    assert int(row[7].text) == sum(1 for t in main_ref["turns"] if t["fork_reason"])
+    assert row[9].text == "yes"  # has images
 
     assert set(_filter(driver, group=group)) == set(others[:3])
     rewarded = {s["session_id"] for s in ref if s["reward"] is not None}
@@ -243,3 +244,77 @@ def test_the_pages_request_nothing_but_the_proxy(signed_in, recorded):
     assert foreign == []
     resources = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert resources and all(u.startswith(proxy.url + "/") or u.startswith(("data:", "blob:")) for u in resources)
+
+
+def _roles_of(proxy, sid: str) -> set[str]:
+    return {t["role"] for t in _session(proxy, sid)["turns"]}
+
+
+def _next_page(driver) -> list[str]:
+    driver.execute_script("document.body.dataset.ready = ''")
+    driver.find_element(By.ID, "next").click()
+    wait_ready(driver)
+    return _rows(driver)
+
+
+def test_the_role_filter_filters_and_pages(signed_in, recorded):
+    driver, proxy = signed_in, recorded["proxy"]
+    episode, subagent = recorded["episode"], recorded["subagent"]
+    ref = sorted(_all_sessions(proxy), key=lambda s: s["created_at"], reverse=True)
+    roles = {s["session_id"]: _roles_of(proxy, s["session_id"]) for s in ref}
+    assert roles[episode] == {"main", "auxiliary"} and roles[subagent] == {"subagent", "auxiliary"}
+    holding = lambda role: [s["session_id"] for s in ref if role in roles[s["session_id"]]]  # noqa: E731
+    _open(driver, proxy, "/")
+    for role in ("main", "auxiliary", "subagent", "compacted"):
+        assert _filter(driver, role=role) == holding(role), role
+    assert _filter(driver, role="auxiliary") == [subagent, episode]
+    assert subagent not in _filter(driver, role="main")
+    # one per page: the side-call sessions, newest first, then no further page
+    assert _filter(driver, role="auxiliary", limit=1) == [subagent]
+    assert _next_page(driver) == [episode]
+    assert not driver.find_element(By.ID, "next").is_enabled()
+    # with another filter: the rewarded group has no side calls
+    assert _filter(driver, role="auxiliary", rewarded="true") == []
+    # the filter is in the address, and the roles column shows each session's roles, main first
+    _filter(driver, role="auxiliary")
+    assert "role=auxiliary" in driver.current_url
+    badges = lambda sid: [b.text for b in driver.find_elements(By.CSS_SELECTOR, f'tr[data-session="{sid}"] td.roles .role')]  # noqa: E731
+    assert badges(episode) == ["main", "auxiliary"]
+    assert badges(subagent) == ["auxiliary", "subagent"]
+    driver.get(f"{proxy.url}/ui/#/?role=subagent")
+    wait_ready(driver)
+    assert _rows(driver) == [subagent]
+
+
+def test_a_session_with_a_side_call_shows_each_turns_role_in_its_tree(signed_in, recorded):
+    from tests.proxy.ui.conftest import TITLE_REQUEST
+
+    driver, proxy = signed_in, recorded["proxy"]
+    for sid, kinds in ((recorded["episode"], ("main", "auxiliary")), (recorded["subagent"], ("subagent", "auxiliary"))):
+        ref = _session(proxy, sid)["turns"]
+        assert tuple(t["role"] for t in ref) == kinds
+        _open(driver, proxy, f"/s/{sid}")
+        li = [driver.find_element(By.CSS_SELECTOR, f'#tree li[data-turn-id="{t["turn_id"]}"]') for t in ref]
+        for node, t in zip(li, ref):
+            assert node.get_attribute("data-role") == t["role"]
+            assert node.find_element(By.CSS_SELECTOR, ".turn-link .role").text == t["role"]
+        # the side call is set apart from the conversation it belongs to
+        assert "aux" in li[1].get_attribute("class").split()
+        style = lambda e: driver.execute_script(  # noqa: E731
+            "const s = getComputedStyle(arguments[0]); return [s.backgroundColor, s.borderLeftStyle]", e)
+        assert style(li[1]) != style(li[0])
+        ink = lambda e: driver.execute_script("return getComputedStyle(arguments[0]).color", e)  # noqa: E731
+        main_ink = ink(driver.find_element(By.CSS_SELECTOR, "header#top + form, #main h2"))
+        assert ink(li[0]) == ink(li[1]) == main_ink  # the tree's text stays as readable as the page's
+        # its tokens are shown in a sample of its own, marked as one a pull leaves out
+        rows = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")] for tr in driver.find_elements(By.CSS_SELECTOR, "#samples tbody tr")]
+        assert [(r[1], r[-1]) for r in rows] == [(kinds[0], "yes"), ("auxiliary", "no")]
+        sections = driver.find_elements(By.CSS_SELECTOR, "section.sample")
+        text = "".join(driver.execute_script("return arguments[0].map(s => s.textContent)",
+                                             sections[1].find_elements(By.CSS_SELECTOR, ".text .t")))  # fmt: skip
+        assert TITLE_REQUEST in text
+        head = sections[1].find_element(By.CSS_SELECTOR, ".turn-head")
+        assert head.get_attribute("data-turn-id") == ref[1]["turn_id"]
+        assert head.find_element(By.CSS_SELECTOR, ".role").text == "auxiliary"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / "viewer-roles.png"))
