@@ -221,6 +221,12 @@ def test_codex_cli_auto_compaction(tmp_path, splice_home):
         ids = [t["turn_id"] for t in turns]
         assert sorted((x["role"], x["turn_ids"]) for x in samples) == [("compacted", ids[2:]), ("main", ids[:2])]
         assert {(x["session_id"], x["reward"]) for x in samples} == {("cx-compact", 1.0)}
+        # the summary is trained once, as the end of the main sample; in the compacted one it is context
+        main, compacted = sorted(samples, key=lambda x: x["role"] != "main")
+        assert sum(main["loss_mask"]) == len(turns[0]["output_ids"]) + len(turns[1]["output_ids"])
+        assert main["input_ids"][-len(turns[1]["output_ids"]) :] == turns[1]["output_ids"]
+        assert sum(compacted["loss_mask"]) == len(turns[2]["output_ids"]) + len(turns[3]["output_ids"])
+        assert compacted["input_ids"] == turns[3]["prompt_ids"] + turns[3]["output_ids"]
     finally:
         proxy.stop()
         _stop_engine(proxy)
