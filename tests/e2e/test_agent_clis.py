@@ -3,6 +3,8 @@
 runs the command, gets the answer, resumes the conversation, and every later turn is spliced.
 ``test_first_try_from_the_readme`` runs the README's first-try commands as written against the
 default ``splice serve`` (the bundled model's scripted first-try reply).
+``test_codex_cli_auto_compaction`` lets Codex compact its history on its own (a low
+``model_auto_compact_token_limit``) and checks the episode Splice records from it.
 
 The npm packages are installed on first use under ``.cache/agent-clis`` (gitignored); without
 npm or the registry the tests skip. The proxy is the default ``splice serve`` (no model flags):
@@ -147,6 +149,84 @@ def test_codex_cli_default_tools(tmp_path, splice_home):
         assert len(turns) == 2
         _all_spliced(turns)
         assert proxy.get("/v1/sessions?group_id=g-7").json()["data"][0]["session_id"] == "ep-7"
+    finally:
+        proxy.stop()
+        _stop_engine(proxy)
+
+
+# Codex 0.169 compacts a custom provider's conversation inline (remote compaction is for OpenAI's
+# own providers): once its token count (the last response's `usage.total_tokens` plus an estimate
+# of what was added since) reaches `model_auto_compact_token_limit`, it resends the history with
+# no tools and its compaction prompt last, then restarts from a history that holds the user
+# messages and the summary. The first prompt is ~8.1k tokens; the command's 6 kB of output
+# (~1,500 tokens by Codex's estimate, 750 by the model's tokenizer) pushes the count past the
+# limit before the follow-up request, and the restarted history (without that output) stays
+# ~800 tokens under it, so exactly one compaction happens, inside the first `codex exec`.
+COMPACT_LIMIT = 9000
+CODEX_COMPACT_SUMMARY = "Summary: the user asked for 6000 a's; the command ran and printed them."
+CODEX_COMPACT_SCRIPT = [
+    '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "head -c 6000 /dev/zero | tr \'\\\\0\' a"}}\n</tool_call><|im_end|>',
+    CODEX_COMPACT_SUMMARY + "<|im_end|>",  # the summarisation call
+    "The command printed 6000 a's.<|im_end|>",  # the restarted history's answer
+    "Resumed after the compaction.<|im_end|>",
+]
+
+
+def test_codex_cli_auto_compaction(tmp_path, splice_home):
+    """Codex's own auto-compaction: one episode, the summary call spliced onto the history it
+    summarises, the restarted history a ``compacted`` segment, its later turns spliced; one
+    reward, one sample per segment."""
+    codex = cli("codex")
+    proxy = start_proxy(tmp_path, None, script=CODEX_COMPACT_SCRIPT, env=splice_home, start_timeout_s=START_S)
+    try:
+        home, work = tmp_path / "codex-home", tmp_path / "work"
+        home.mkdir()
+        work.mkdir()
+        config = CODEX_CONFIG.replace("\n[model_providers", f"model_auto_compact_token_limit = {COMPACT_LIMIT}\n\n[model_providers")
+        (home / "config.toml").write_text(config.format(url=proxy.url))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "SPLICE_", "CODEX_"))}
+        env.update(CODEX_HOME=str(home), SPLICE_SESSION="cx-compact", SPLICE_GROUP="g-compact")
+        ask = [codex, "exec", "--skip-git-repo-check"]
+
+        out = _run(ask + ["Print 6000 a's with a shell command."], work, env)
+        assert "context compacted" in out and "The command printed 6000 a's." in out
+        out = _run(ask + ["resume", "--last", "Again?"], work, env)
+        assert "Resumed after the compaction." in out and "context compacted" not in out
+
+        turns = _turns(proxy, "cx-compact")
+        kinds = [t["requested_sampling"].get("compaction") for t in turns]
+        assert [t["role"] for t in turns] == ["main", "main", "compacted", "compacted"], kinds
+        assert kinds == [None, "summary", "restart", None]
+        assert [t["fork_reason"] for t in turns] == [None] * 4
+        assert [t["parent_turn_id"] for t in turns[1:]] == [t["turn_id"] for t in turns[:-1]]
+        tok = load_tokenizer(_default_model(splice_home))
+        # the summary call: turn 0's history spliced, the command's output and Codex's compaction
+        # prompt after it, no tools offered (a dropped tool list is not a fork)
+        _all_spliced(turns[:2])
+        bridge = tok.decode(turns[1]["prompt_ids"][len(turns[0]["prompt_ids"]) + len(turns[0]["output_ids"]) :])
+        assert "a" * 6000 in bridge and "You are performing a CONTEXT CHECKPOINT COMPACTION" in bridge
+        assert turns[1]["requested_sampling"]["episode"]["tools"] == 0
+        # the restart: rendered afresh (the tool output is gone), Codex's summary prefix and the
+        # summary's sampled ids in its prompt; the resumed turn spliced onto it
+        assert not turns[2]["spliced"] and turns[2]["requested_sampling"]["summary_ids"] == "carried"
+        restart = tok.decode(turns[2]["prompt_ids"])
+        assert "Another language model started to solve this problem" in restart and "a" * 6000 not in restart
+        sampled = turns[1]["output_ids"][:-1]  # the summary as sampled, without its end token
+        assert tok.decode(sampled) == CODEX_COMPACT_SUMMARY
+        assert any(turns[2]["prompt_ids"][i : i + len(sampled)] == sampled for i in range(len(turns[2]["prompt_ids"])))
+        _all_spliced(turns[2:])
+
+        assert proxy.post("/v1/sessions/cx-compact/reward", {"reward": 1.0}).status_code == 200
+        samples = proxy.post("/v1/trajectories/pull", {"max_samples": 100}).json()["samples"]
+        ids = [t["turn_id"] for t in turns]
+        assert sorted((x["role"], x["turn_ids"]) for x in samples) == [("compacted", ids[2:]), ("main", ids[:2])]
+        assert {(x["session_id"], x["reward"]) for x in samples} == {("cx-compact", 1.0)}
+        # the summary is trained once, as the end of the main sample; in the compacted one it is context
+        main, compacted = sorted(samples, key=lambda x: x["role"] != "main")
+        assert sum(main["loss_mask"]) == len(turns[0]["output_ids"]) + len(turns[1]["output_ids"])
+        assert main["input_ids"][-len(turns[1]["output_ids"]) :] == turns[1]["output_ids"]
+        assert sum(compacted["loss_mask"]) == len(turns[2]["output_ids"]) + len(turns[3]["output_ids"])
+        assert compacted["input_ids"] == turns[3]["prompt_ids"] + turns[3]["output_ids"]
     finally:
         proxy.stop()
         _stop_engine(proxy)
