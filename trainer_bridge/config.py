@@ -60,6 +60,9 @@ class TrainConfig:
     adam_beta2: float = _opt(0.999, "AdamW beta2")
     adam_eps: float = _opt(1e-8, "AdamW epsilon")
     max_grad_norm: float | None = _opt(1.0, "gradient clipping norm ('none' disables)")
+    lr_warmup_steps: int = _opt(
+        0, "optimizer steps of linear learning-rate warm-up (the k-th of the first n runs at lr*k/(n+1)): "
+        "AdamW's first updates are full-size sign steps of pure noise on a small batch")
     ppo_n_minibatches: int = _opt(1, "optimizer steps per training step (the batch is split in this many)")
     micro_batch_tokens: int = _opt(
         8192, "tokens per forward/backward: samples are packed up to this many (a longer sample runs alone)")

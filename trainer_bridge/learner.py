@@ -277,8 +277,34 @@ def train_minibatch(learner: Learner, plan: MinibatchPlan, config: TrainConfig, 
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    set_warmup_lr(learner.optimizer, config.lr, config.lr_warmup_steps)
     learner.optimizer.step()
     return acc, grad_norm
+
+
+def warmup_factor(done: int, warmup_steps: int) -> float:
+    """Learning-rate factor of the optimizer step after ``done`` steps: k/(n+1) for the k-th of
+    the first n, then 1."""
+    return 1.0 if done >= warmup_steps else (done + 1) / (warmup_steps + 1)
+
+
+def set_warmup_lr(optimizer: torch.optim.Optimizer, lr: float, warmup_steps: int) -> None:
+    """Set the next step's learning rate. The step count is AdamW's own (``state["step"]``), so a
+    run resumed from a checkpoint with its optimizer state carries on where it was."""
+    if warmup_steps <= 0:
+        return
+    done = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if step is not None:
+                done = int(step)
+                break
+        else:
+            continue
+        break
+    for group in optimizer.param_groups:
+        group["lr"] = lr * warmup_factor(done, warmup_steps)
 
 
 def _rename_staleness(values: dict[str, float]) -> dict[str, float]:

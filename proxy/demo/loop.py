@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16, help="sessions in flight at most")
     p.add_argument("--lr", type=float, default=1.5e-3, help="trainer learning rate (use ~1e-6 for a real model)")
     p.add_argument("--minibatches", type=int, default=2, help="PPO optimizer steps per training step")
+    p.add_argument("--lr-warmup-steps", type=int, default=2,
+                   help="optimizer steps of linear lr warm-up (AdamW's first full-size sign steps are noise on 32 sessions)")
     p.add_argument("--max-output-tokens", type=int, default=16, help="per turn (raise it for a real, thinking model)")
     p.add_argument("--token-delay-ms", type=float, default=25.0, help="reference engine pace per token, so updates land mid-generation")
     p.add_argument("--warm-start-steps", type=int, default=30, help="format warm start of the tiny model (Adam steps)")
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = _spawn(
             [sys.executable, "-m", "proxy.cli", "train", "--proxy", base, "--model", model_dir, "--steps", str(args.steps),
              "--out", str(run / "train"), "--batch-samples", str(batch), "--min-samples", str(batch), "--lr", str(args.lr),
-             "--ppo-n-minibatches", str(args.minibatches), "--seed", str(args.seed), "--pull-wait-s", "5",
+             "--ppo-n-minibatches", str(args.minibatches), "--lr-warmup-steps", str(args.lr_warmup_steps), "--seed", str(args.seed), "--pull-wait-s", "5",
              "--pull-timeout-s", "240", "--keep-last", "2", "--no-progress", "--log-sessions"],
             run / "trainer.log", env, procs,
         )

@@ -132,3 +132,35 @@ def test_bf16_compute_keeps_float32_master_weights(tiny_model_dir):
     changed = [(p.full_tensor() != before[n]).float().mean().item() for n, p in learner.policy.named_parameters()]
     assert sum(changed) / len(changed) > 0.5
     assert stats["first_minibatch_ratio_dev"] == 0.0
+
+
+def test_lr_warmup_scales_adamw_first_steps_and_then_stops():
+    """``--lr-warmup-steps 2``: AdamW's first step is a sign step of size lr (bias correction),
+    so with warm-up it moves each weight by exactly lr/3, the second by at most 2*lr/3 (a float64
+    Adam by hand), and from the third on the full lr."""
+    from trainer_bridge.learner import set_warmup_lr
+
+    lr = 0.3
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+    opt = torch.optim.AdamW([w], lr=lr, weight_decay=0.0)
+    seen = []
+    for k, g in enumerate(([0.5, -4.0], [0.5, 1.0], [0.5, 1.0], [0.5, 1.0])):
+        before = w.detach().clone()
+        w.grad = torch.tensor(g, dtype=torch.float64)
+        set_warmup_lr(opt, lr, 2)
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        if k == 0:  # first Adam step: -lr_k * g / |g| (eps 1e-8 aside)
+            assert torch.allclose(w.detach() - before, -torch.tensor([1.0, -1.0], dtype=torch.float64) * lr / 3, atol=1e-9)
+    assert seen == pytest.approx([lr / 3, 2 * lr / 3, lr, lr])
+    set_warmup_lr(opt, lr, 0)  # off: the optimizer's lr is left alone
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr)
+
+
+def test_lr_warmup_reaches_the_learner(tiny_model_dir, tmp_path):
+    """Through ``train``: two minibatches per step and a 3-step warm-up: step 1's optimizer steps
+    run at lr/4 and lr/2 (the stats record the last), step 2's at 3*lr/4 and lr."""
+    samples = make_samples(seed=4)
+    stats = train(config(tiny_model_dir, tmp_path, ppo_n_minibatches=2, lr_warmup_steps=3, lr=1e-3, steps=2),
+                  client=Client([samples, make_samples(seed=5)]))
+    assert [s["lr"] for s in stats] == pytest.approx([0.5e-3, 1e-3])
