@@ -112,7 +112,7 @@ def plan_loads(statuses: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str,
     return engines, assigned
 
 
-def _parallel(fn: Callable[[int], Any], indices: Sequence[int]) -> list[tuple[int, Any, BaseException | None]]:
+def parallel(fn: Callable[[int], Any], indices: Sequence[int]) -> list[tuple[int, Any, BaseException | None]]:
     if not indices:
         return []
     if len(indices) == 1:
@@ -132,19 +132,19 @@ def _parallel(fn: Callable[[int], Any], indices: Sequence[int]) -> list[tuple[in
         return out
 
 
-def _recompute_then_pause(client, every: Sequence[int], urls: Sequence[str], report) -> list:
+def recompute_then_pause(client, every: Sequence[int], urls: Sequence[str], report) -> list:
     """Owed recomputes on every proxy, then (only then) every proxy pauses its engines without
     recomputing again: a proxy's pause never waits on another proxy's recompute. Returns the
     pause results; a proxy without ``/admin/recompute`` (404) pauses as before."""
-    results = _parallel(lambda i: client.admin(i, "/admin/recompute"), every)
+    results = parallel(lambda i: client.admin(i, "/admin/recompute"), every)
     for i, _, exc in results:
         if exc is not None and not (isinstance(exc, ProxyError) and exc.status == 404):
-            report.warnings.append(f"{urls[i]}: recompute before pause failed: {_message(exc)}")
+            report.warnings.append(f"{urls[i]}: recompute before pause failed: {error_message(exc)}")
     report.recomputed_tokens = sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
-    return _parallel(lambda i: client.admin(i, "/admin/pause?recompute=false"), every)
+    return parallel(lambda i: client.admin(i, "/admin/pause?recompute=false"), every)
 
 
-def _message(exc: BaseException) -> str:
+def error_message(exc: BaseException) -> str:
     return exc.message if isinstance(exc, ProxyError) and exc.message else str(exc)
 
 
@@ -154,14 +154,14 @@ def run_publish(client: Any, model_path: str, version: int, before_resume: Calla
     urls = list(client.urls)
     every = list(range(len(urls)))
     report = PublishReport(version=version, model_path=model_path, proxies=urls)
-    lap = _Laps(report)
+    lap = Laps(report)
 
     def fail_first(step: str, results, engines_of: Callable[[int], Sequence[str]] = lambda i: ()) -> None:
         bad = [(i, exc) for i, _, exc in results if exc is not None]
         if bad:
             i, exc = bad[0]
-            others = "; ".join(f"{urls[j]}: {_message(e)}" for j, e in bad[1:])
-            msg = _message(exc) + (f" (also failed: {others})" if others else "")
+            others = "; ".join(f"{urls[j]}: {error_message(e)}" for j, e in bad[1:])
+            msg = error_message(exc) + (f" (also failed: {others})" if others else "")
             raise PublishError(step, urls[i], msg, report, engines=engines_of(i), cause=exc)
 
     # 1. what each proxy's engines are (nothing is paused yet). One proxy needs no plan: it loads
@@ -170,7 +170,7 @@ def run_publish(client: Any, model_path: str, version: int, before_resume: Calla
     if len(urls) == 1:
         groups[0] = None
     else:
-        results = _parallel(lambda i: client.status(i), every)
+        results = parallel(lambda i: client.status(i), every)
         fail_first("status", results)
         statuses = [res if isinstance(res, dict) else {} for _, res, _ in results]
         engines, assigned = plan_loads(statuses)
@@ -186,9 +186,9 @@ def run_publish(client: Any, model_path: str, version: int, before_resume: Calla
     try:
         # 2. every proxy runs its owed recomputes, then (only then) every proxy pauses its engines
         if len(urls) == 1:
-            results = _parallel(lambda i: client.admin(i, "/admin/pause"), every)
+            results = parallel(lambda i: client.admin(i, "/admin/pause"), every)
         else:
-            results = _recompute_then_pause(client, every, urls, report)
+            results = recompute_then_pause(client, every, urls, report)
         report.recomputed_tokens += sum(int((res or {}).get("recomputed_tokens") or 0) for _, res, exc in results if exc is None)
         fail_first("pause", results)
         lap("pause")
@@ -200,7 +200,7 @@ def run_publish(client: Any, model_path: str, version: int, before_resume: Calla
                 body["engines"] = groups[i]
             return client.admin(i, "/admin/update_weights", body)
 
-        results = _parallel(load, sorted(groups))
+        results = parallel(load, sorted(groups))
         for _, res, exc in results:
             if exc is None and isinstance(res, dict):
                 report.loaded += list(res.get("loaded") or [])
@@ -211,20 +211,20 @@ def run_publish(client: Any, model_path: str, version: int, before_resume: Calla
 
         # 4. every other proxy learns the version (before any proxy resumes)
         rest = [i for i in every if i not in groups]
-        results = _parallel(lambda i: client.admin(i, "/admin/version", {"version": version, "model_path": model_path}), rest)
+        results = parallel(lambda i: client.admin(i, "/admin/version", {"version": version, "model_path": model_path}), rest)
         fail_first("version", results)
         lap("version")
     except BaseException:
-        _resume_all(client, urls, every, None)  # none is left paused; the original error wins
+        resume_all(client, urls, every, None)  # none is left paused; the original error wins
         raise
 
     # 5. every proxy resumes
-    _resume_and_time(client, urls, every, before_resume, report, lap)
+    resume_and_time(client, urls, every, before_resume, report, lap)
     report.ok = True
     return report
 
 
-class _Laps:
+class Laps:
     """``lap(name)`` records the seconds since the previous lap in ``report.timings_s``."""
 
     def __init__(self, report: PublishReport):
@@ -237,21 +237,21 @@ class _Laps:
         self.clock = now
 
 
-def _resume_and_time(client: Any, urls: list[str], every: list[int], before: Callable[[str], None] | None,
-                     report: PublishReport, lap: _Laps) -> None:
+def resume_and_time(client: Any, urls: list[str], every: list[int], before: Callable[[str], None] | None,
+                     report: PublishReport, lap: Laps) -> None:
     """The last step of a publish: every proxy resumes; the first that could not is the error."""
-    bad = _resume_all(client, urls, every, before)
+    bad = resume_all(client, urls, every, before)
     lap("resume")
     report.timings_s["total"] = round(time.perf_counter() - lap.start, 4)
     if bad:
         i, exc = bad[0]
-        raise PublishError("resume", urls[i], _message(exc), report, cause=exc)
+        raise PublishError("resume", urls[i], error_message(exc), report, cause=exc)
 
 
-def _resume_all(client: Any, urls: list[str], every: list[int], before: Callable[[str], None] | None) -> list[tuple[int, BaseException]]:
+def resume_all(client: Any, urls: list[str], every: list[int], before: Callable[[str], None] | None) -> list[tuple[int, BaseException]]:
     def resume(i: int) -> Any:
         if before is not None:
             before(urls[i])
         return client.admin(i, "/admin/resume")
 
-    return [(i, exc) for i, _, exc in _parallel(resume, every) if exc is not None]
+    return [(i, exc) for i, _, exc in parallel(resume, every) if exc is not None]

@@ -18,8 +18,10 @@ all proxies concurrently. A failure at any step resumes every proxy (none is lef
 raises :class:`PublishError` naming the step, the proxy and, for a load, the engines. Re-running
 with the same version is safe: an engine that already reports the version is not loaded again.
 
-Talks to the proxies over HTTP only (``trainer_bridge`` never imports the proxy).
+Talks to the proxies over HTTP only (``trainer_bridge`` never imports the proxy). The steps and
+the report live in ``trainer_bridge.fleet``; the distributed transfer in ``weight_transfer``.
 """
+
 from __future__ import annotations
 
 import argparse

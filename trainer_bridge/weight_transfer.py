@@ -32,16 +32,16 @@ import torch.distributed as dist
 
 from .client import ProxyClient
 from .fleet import (
+    Laps,
     PublishError,
     PublishReport,
-    _Laps,
-    _message,
-    _parallel,
-    _recompute_then_pause,
-    _resume_all,
-    _resume_and_time,
     engine_replicas,
+    error_message,
+    parallel,
     plan_loads,
+    recompute_then_pause,
+    resume_all,
+    resume_and_time,
 )
 
 DEFAULT_BUCKET_MB = 512.0
@@ -387,16 +387,16 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
     urls = list(client.urls)
     every = list(range(len(urls)))
     report = PublishReport(version=version, model_path="", proxies=urls, transfer="distributed")
-    lap = _Laps(report)
+    lap = Laps(report)
 
     def fail_first(step: str, results) -> None:
         bad = [(i, exc) for i, _, exc in results if exc is not None]
         if bad:
             i, exc = bad[0]
-            raise PublishError(step, urls[i], _message(exc), report, cause=exc)
+            raise PublishError(step, urls[i], error_message(exc), report, cause=exc)
 
     # 1. the engines, which proxy drives each, and what each reports
-    results = _parallel(lambda i: client.status(i), every)
+    results = parallel(lambda i: client.status(i), every)
     fail_first("status", results)
     statuses = [res if isinstance(res, dict) else {} for _, res, _ in results]
     engines, assigned = plan_loads(statuses)
@@ -421,14 +421,14 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
     groups_before = sender.groups_made
     try:
         # 2. owed recomputes on every proxy, then (only then) every proxy pauses
-        results = _recompute_then_pause(client, every, urls, report)
+        results = recompute_then_pause(client, every, urls, report)
         fail_first("pause", results)
         lap("pause")
 
         # 3. every proxy takes the engines about to change out of rotation (a transfer that
         #    stops half way then leaves none of them serving mixed weights)
         changing = todo + list(report.failed)
-        results = _parallel(lambda i: client.admin(i, "/admin/weights/begin", {"version": version, "engines": changing}), every)
+        results = parallel(lambda i: client.admin(i, "/admin/weights/begin", {"version": version, "engines": changing}), every)
         fail_first("begin", results)
 
         # 4. each engine joins its group with rank 0 once (kept while the engine stays the same)
@@ -446,9 +446,9 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
                 if not made:
                     kept.add(e)
 
-            for k, _, exc in _parallel(connect, list(range(len(todo)))):
+            for k, _, exc in parallel(connect, list(range(len(todo)))):
                 if exc is not None:
-                    report.failed[todo[k]] = f"joining the weight-update group failed: {_message(exc)}"
+                    report.failed[todo[k]] = f"joining the weight-update group failed: {error_message(exc)}"
                     sender.drop(todo[k])
             report.groups_made = sender.groups_made - groups_before
             lap("connect")
@@ -492,10 +492,10 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
                         sender.send(links[e], bucket, call)
                         call.result(timeout=sender.timeout_s)
 
-                for k, _, exc in _parallel(send, list(range(len(active)))):
+                for k, _, exc in parallel(send, list(range(len(active)))):
                     if exc is not None:
                         e = active[k]
-                        report.failed[e] = f"bucket {report.buckets} failed: {_message(exc)}"
+                        report.failed[e] = f"bucket {report.buckets} failed: {error_message(exc)}"
                         link = sender.drop(e)
                         if link is not None:
                             try:  # the engine may still hold its end of the group
@@ -509,15 +509,15 @@ def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dt
 
         # 6. every proxy learns the version and which engines have it whole
         body = {"version": version, "updated": report.loaded + report.skipped, "failed": report.failed}
-        results = _parallel(lambda i: client.admin(i, "/admin/weights/commit", body), every)
+        results = parallel(lambda i: client.admin(i, "/admin/weights/commit", body), every)
         fail_first("version", results)
         lap("version")
     except BaseException:
-        _resume_all(client, urls, every, None)  # none is left paused; the original error wins
+        resume_all(client, urls, every, None)  # none is left paused; the original error wins
         raise
 
     # 7. every proxy resumes
-    _resume_and_time(client, urls, every, before_resume, report, lap)
+    resume_and_time(client, urls, every, before_resume, report, lap)
     if report.failed:
         first = next(iter(report.failed))
         detail = "; ".join(f"{e}: {why}" for e, why in report.failed.items())
