@@ -8,7 +8,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
-from engines.replica import Replica, _agreed
+from engines.replica import Replica, agreed_version
 from engines.types import EngineError, EngineRejected, EngineUnavailable
 
 log = logging.getLogger("engines.pool")  # one logger for the pool, whichever file logs
@@ -71,6 +71,8 @@ class RoutingMixin:
         assert last is not None
         raise last
 
+    # -- health ---------------------------------------------------------------------------------
+
     async def health(self) -> dict[str, bool]:
         """Probe every replica now; returns and records ``{url: healthy}``."""
         replicas = list(self._replicas.values())
@@ -98,7 +100,7 @@ class RoutingMixin:
     def _follow_engines(self, *, backwards: bool) -> bool:
         """Adopt the weight version the usable replicas agree on (``backwards``: also when it is
         lower than V, as at start-up, where the engines are the only truth). True if V changed."""
-        v = _agreed([r.version for r in self._replicas.values() if r.usable])
+        v = agreed_version([r.version for r in self._replicas.values() if r.usable])
         if v is None or v == self._version or (v < self._version and not backwards):
             return False
         log.info("the engines serve weight version %d: the pool's version follows (was %d)", v, self._version)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engines.replica import Replica, _back_in_rotation, engine_id
+from engines.replica import Replica, back_in_rotation, engine_id
 from engines.resume import parse_version
 from engines.types import EngineError
 from engines.weight_transfer import TensorBatch, WeightGroup
@@ -83,7 +83,7 @@ class TransferMixin:
         if batch.final:
             r.version = batch.version
             r.stale = False
-            _back_in_rotation(r)
+            back_in_rotation(r)
 
     def commit_transfer(self, version: int, updated: list[str], failed: dict[str, str]) -> dict[str, list[str]]:
         """After a fleet transfer: engines in ``updated`` serve ``version`` (back in rotation),
@@ -111,7 +111,7 @@ class TransferMixin:
             if r.id in ok:
                 r.version = int(version)
                 r.stale = False
-                _back_in_rotation(r)
+                back_in_rotation(r)
             elif r.id in bad:
                 r.out_of_rotation = f"the transfer of v{int(version)} did not complete: {bad[r.id]}"
                 r.target_version = int(version)
@@ -142,7 +142,7 @@ class TransferMixin:
             if self._model_path is not None:
                 log.warning("the weight transfer of v%s to %s was abandoned (no news for %g s): reloading v%d from %s",
                             target, r.url, self.transfer_deadline_s, self._version, self._model_path)  # fmt: skip
-                _back_in_rotation(r)
+                back_in_rotation(r)
                 r.stale = True  # not routed to until the health check reloads the path
                 continue
             touched = "its weights may be mixed" if r.transfer_touched else "its weights may be mixed (another proxy may have sent buckets)"
@@ -165,4 +165,4 @@ class TransferMixin:
             if now == r.target_version and (force or not self._paused):
                 log.info("engine replica %s completed v%d: back in rotation", r.url, now)
                 r.version = now
-                _back_in_rotation(r)
+                back_in_rotation(r)

@@ -8,10 +8,10 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from engines.replica import Replica, _back_in_rotation, engine_id
+from engines.replica import Replica, back_in_rotation, engine_id
 from engines.resume import parse_version
 from engines.types import EngineError, EngineUnavailable
-from engines.vllm import TIED_HEAD_WARNING
+from engines.vllm_wire import TIED_HEAD_WARNING
 
 log = logging.getLogger("engines.pool")  # one logger for the pool, whichever file logs
 
@@ -130,7 +130,7 @@ class WeightsMixin:
                 loaded.append(r.id)
             r.version = int(version)
             r.stale = False
-            _back_in_rotation(r)  # whole weights again
+            back_in_rotation(r)  # whole weights again
 
         if self.kind == "vllm" and self._info.tied_lm_head and not self._info.worker_extension:
             log.warning("vLLM update_weights(%r): %s", model_path, TIED_HEAD_WARNING)

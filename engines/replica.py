@@ -60,12 +60,14 @@ def engine_id(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme.lower(), netloc, parts.path.rstrip("/"), parts.query, ""))
 
 
-def _back_in_rotation(r: Replica) -> None:
+def back_in_rotation(r: Replica) -> None:
+    """The replica's weights are whole again: no pending transfer keeps it out of traffic."""
     r.out_of_rotation = r.target_version = r.transfer_seen = None
     r.transfer_touched = False
 
 
-def _agreed(versions: list[int | None]) -> int | None:
+def agreed_version(versions: list[int | None]) -> int | None:
+    """The version every replica that reports one reports (None: none, or they disagree)."""
     known = {v for v in versions if v is not None}
     return known.pop() if len(known) == 1 else None
 
