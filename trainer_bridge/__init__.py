@@ -3,7 +3,10 @@
 Modules, one job each:
 
 - ``client``       -- HTTP client for pull/ack and the weight-update protocol (the only link to the proxy)
+- ``errors``       -- ``ProxyError``, below the client and the protocol that raise it
+- ``fleet``        -- the fleet protocol's shared pieces: report, error, load plan, the steps as client calls
 - ``publish``      -- the fleet weight-update protocol (``splice publish``), torch-free
+- ``weight_transfer`` -- weights broadcast over torch.distributed (``publish_tensors``, ``TrainerPublisher``)
 - ``advantages``   -- GRPO advantages, normalized over each group's sessions
 - ``batching``     -- packed (or padded) micro-batches under a token budget, every per-token array in step
 - ``balance``      -- minibatches cut by tokens, samples spread over ranks by cost
@@ -18,6 +21,8 @@ Modules, one job each:
 - ``checkpoint``   -- sharded training checkpoints (torch.distributed.checkpoint) and resume
 - ``stats``        -- merging per-micro-batch stats into per-step stats
 - ``distributed``  -- torchrun plumbing (rank 0 pulls, plans and publishes; each rank gets its share)
+- ``samples``      -- a step's sample preparation: validation, staleness / missing-proximal masks, advantages, images
+- ``step_publish`` -- a step's publish: the weights out (directory or broadcast), leases acked
 - ``config``/``train`` -- the trainer loop and the ``splice train`` command line
 - ``bench``        -- the worker of ``splice bench train``
 

@@ -34,23 +34,13 @@ import httpx
 import numpy as np
 import pyarrow as pa
 
+from .errors import ProxyError
+from .fleet import PublishReport, run_publish
+
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 SCHEMA_VERSION = 3  # the sample schema this trainer reads (proxy/schemas/sample.schema.json)
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 TOKEN_ARRAYS = ("input_ids", "loss_mask", "logprobs", "versions", "proximal_logprobs_t", "proximal_versions")
-
-
-class ProxyError(RuntimeError):
-    """The proxy answered with an error (after retries, when the error was transient)."""
-
-    def __init__(self, message: str, *, status: int | None = None, type: str | None = None, code: str | None = None, url: str = ""):
-        where = f" ({url})" if url else ""
-        super().__init__(f"{message}{where}" if status is None else f"HTTP {status}: {message}{where}")
-        self.message = message
-        self.status = status
-        self.type = type
-        self.code = code
-        self.url = url
 
 
 class SchemaVersionError(ProxyError):
@@ -415,11 +405,11 @@ class ProxyClient:
         """The policy version the proxies serve (the highest, if they disagree)."""
         return max(int(s.get("version", 0)) for s in self.statuses())
 
-    def publish(self, model_path: str, version: int, **kw: Any) -> Any:
+    def publish(self, model_path: str, version: int, *, admin_token: str | None = None, timeout_s: float = 600.0,
+                before_resume: Any = None) -> PublishReport:
         """The fleet weight-update protocol (``trainer_bridge.publish``): every proxy pauses, each
         distinct engine loads ``model_path`` once, every proxy learns ``version``, every proxy
         resumes. A failure at any step resumes every proxy and raises ``PublishError`` (a
-        ``ProxyError`` carrying the failed proxy's message). Returns the ``PublishReport``."""
-        from .publish import publish
-
-        return publish(self.urls, model_path, version, client=self, **kw)
+        ``ProxyError`` carrying the failed proxy's message). Returns the ``PublishReport``.
+        ``admin_token`` and ``timeout_s`` are this client's own (accepted as ``publish`` takes them)."""
+        return run_publish(self, str(model_path), int(version), before_resume)

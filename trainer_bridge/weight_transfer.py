@@ -10,6 +10,9 @@ Tensors go in buckets of at most ``bucket_bytes`` (a tensor larger than that is 
 own); only one bucket, plus the one tensor read ahead to know whether a bucket is the last, is
 held at a time, so a trainer that materialises full tensors lazily (FSDP2
 ``DTensor.full_tensor()``) stays bounded by the bucket size.
+
+:func:`publish_tensors` runs the fleet protocol (``trainer_bridge.fleet``) with this broadcast in
+place of the load from disk; ``trainer_bridge.publish`` re-exports it without importing torch.
 """
 
 from __future__ import annotations
@@ -19,12 +22,27 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .client import ProxyClient
+from .fleet import (
+    Laps,
+    PublishError,
+    PublishReport,
+    engine_replicas,
+    error_message,
+    parallel,
+    plan_loads,
+    recompute_then_pause,
+    resume_all,
+    resume_and_time,
+)
 
 DEFAULT_BUCKET_MB = 512.0
 
@@ -287,6 +305,232 @@ def full_tensors(model: torch.nn.Module, *, dtype: torch.dtype | None = None) ->
             yield name, t
 
 
+# -- the fleet protocol with the weights broadcast (``trainer_bridge.publish`` re-exports these) ----------------------------------------------------------
+
+
+def publish_tensors(
+    proxies: str | Sequence[str],
+    named_tensors: Iterable[tuple[str, Any]],
+    version: int,
+    admin_token: str | None = None,
+    *,
+    sender: Any = None,
+    bucket_mb: float | None = None,
+    dtype: Any = None,
+    master_address: str = "127.0.0.1",
+    backend: str | None = None,
+    client: ProxyClient | None = None,
+    timeout_s: float = 600.0,
+    before_resume: Callable[[str], None] | None = None,
+) -> PublishReport:
+    """The fleet protocol with the weights broadcast from this process (rank 0) instead of read
+    from a path (docs/weight_transfer.md). Needs torch (this module).
+
+    ``named_tensors``: ``(name, tensor)`` pairs in the engine's parameter names, produced lazily
+    (``model.named_parameters()``, or an FSDP2 trainer's per-bucket ``full_tensor()`` gather);
+    they are iterated exactly once, to the end, even when every engine failed (a sharded
+    trainer's other ranks run the same gathers). ``sender``: a
+    :class:`WeightSender` kept across publishes so each engine
+    joins once (made here and closed at the end when None). ``bucket_mb``: tensors per update
+    call; ``dtype``: cast to the engine's dtype (None: as given).
+
+    Steps: status; owed recomputes then pause on every proxy; every proxy takes the engines
+    about to change out of rotation; each engine (through one proxy) joins its group with rank 0
+    unless it still holds one; per bucket, each engine's proxy issues the update call while this
+    process broadcasts; every proxy learns the version and which engines completed; every proxy
+    resumes. An engine whose transfer failed stays out of rotation (named in ``/admin/status``
+    ``out_of_rotation``) until a later complete publish, the others go on, and
+    :class:`PublishError` (step ``transfer``) names it after every proxy resumed. Engines that
+    already report ``version`` are skipped.
+    """
+    own_sender = sender is None
+    if sender is None:
+        sender = WeightSender(master_address=master_address, backend=backend, timeout_s=timeout_s)
+    own = client is None
+    if client is None:
+        client = ProxyClient(proxies, admin_token=admin_token, timeout_s=timeout_s, max_retries=2, backoff_s=0.2)
+    # transfer calls are never retried: a repeated join or bucket would wait for a broadcast that already went
+    xfer = ProxyClient(client.urls, admin_token=admin_token or getattr(client, "admin_token", None), timeout_s=timeout_s, max_retries=0)
+    it = iter(named_tensors)
+    try:
+        return _publish_tensors(client, xfer, sender, it, int(version), bucket_mb, dtype, before_resume)
+    except BaseException:
+        try:  # whatever failed, the tensors are read to the end: other ranks gather them too
+            for _ in it:
+                pass
+        except Exception:  # noqa: BLE001 - the original error wins
+            pass
+        raise
+    finally:
+        if own_sender:
+            sender.close(lambda link: _destroy_remote(xfer, link))
+        xfer.close()
+        if own:
+            client.close()
+
+
+def destroy_groups(sender: Any, client: ProxyClient) -> None:
+    """Drop every group ``sender`` holds, telling each engine through its proxy (best effort)."""
+    xfer = ProxyClient(client.urls, admin_token=getattr(client, "admin_token", None), timeout_s=30.0, max_retries=0)
+    try:
+        sender.close(lambda link: _destroy_remote(xfer, link))
+    finally:
+        xfer.close()
+
+
+def _destroy_remote(xfer: ProxyClient, link: Any) -> None:
+    i, _epoch = link.key
+    xfer.admin(i, "/admin/weights/destroy_group", {"engine": link.engine, "group_name": link.group_name})
+
+
+def _publish_tensors(client, xfer, sender, named_tensors, version, bucket_mb, dtype, before_resume) -> PublishReport:
+    urls = list(client.urls)
+    every = list(range(len(urls)))
+    report = PublishReport(version=version, model_path="", proxies=urls, transfer="distributed")
+    lap = Laps(report)
+
+    def fail_first(step: str, results) -> None:
+        bad = [(i, exc) for i, _, exc in results if exc is not None]
+        if bad:
+            i, exc = bad[0]
+            raise PublishError(step, urls[i], error_message(exc), report, cause=exc)
+
+    # 1. the engines, which proxy drives each, and what each reports
+    results = parallel(lambda i: client.status(i), every)
+    fail_first("status", results)
+    statuses = [res if isinstance(res, dict) else {} for _, res, _ in results]
+    engines, assigned = plan_loads(statuses)
+    if not engines:
+        raise PublishError("status", urls[0], "no proxy lists its engines (engines.engine_replicas): the distributed transfer needs them", report)
+    vllm = [urls[i] for i, st in enumerate(statuses) if (st.get("engines") or {}).get("kind") == "vllm"]
+    if vllm:  # its workers join vLLM's own NCCL communicator, not this kind of group: they would wait forever
+        raise PublishError("status", vllm[0], "vLLM engines receive weights only from vLLM's own NCCL communicator "
+                           "(vllm.distributed.weight_transfer); publish to them from disk (--model-path)", report)
+    report.engines = engines
+    report.loaders = {e: urls[i] for e, i in assigned.items()}
+    facts = {e: next(r for r in engine_replicas(statuses[assigned[e]]) if str(r["id"]) == e) for e in engines}
+    todo = []
+    for e in engines:
+        f = facts[e]
+        if f.get("weight_version") == version and not f.get("out_of_rotation") and f.get("healthy", True):
+            report.skipped.append(e)
+        else:  # one its proxy last saw down is tried too: it may be back (joining fails fast if not)
+            todo.append(e)
+    lap("status")
+
+    groups_before = sender.groups_made
+    try:
+        # 2. owed recomputes on every proxy, then (only then) every proxy pauses
+        results = recompute_then_pause(client, every, urls, report)
+        fail_first("pause", results)
+        lap("pause")
+
+        # 3. every proxy takes the engines about to change out of rotation (a transfer that
+        #    stops half way then leaves none of them serving mixed weights)
+        changing = todo + list(report.failed)
+        results = parallel(lambda i: client.admin(i, "/admin/weights/begin", {"version": version, "engines": changing}), every)
+        fail_first("begin", results)
+
+        # 4. each engine joins its group with rank 0 once (kept while the engine stays the same)
+        links: dict[str, Any] = {}
+        kept: set[str] = set()  # engines whose group was made by an earlier publish
+        pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(todo)))
+        try:
+            def connect(k: int) -> None:
+                e = todo[k]
+                i = assigned[e]
+                key = (i, facts[e].get("epoch", 0))
+                join = lambda body: pool.submit(xfer.admin, i, "/admin/weights/init_group", {**body, "engine": e})  # noqa: E731
+                ranks = int((xfer.admin(i, "/admin/weights/ranks", {"engine": e}) or {}).get("ranks") or 1)
+                links[e], made = sender.link(e, key, join, ranks=ranks)
+                if not made:
+                    kept.add(e)
+
+            for k, _, exc in parallel(connect, list(range(len(todo)))):
+                if exc is not None:
+                    report.failed[todo[k]] = f"joining the weight-update group failed: {error_message(exc)}"
+                    sender.drop(todo[k])
+            report.groups_made = sender.groups_made - groups_before
+            lap("connect")
+
+            # 5. per bucket: each engine's proxy issues the update call while rank 0 broadcasts
+            mb = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
+            for bucket in buckets(named_tensors, max(1, int(mb * 2**20)), dtype=dtype):
+                report.buckets += 1
+                active = [e for e in todo if e not in report.failed]
+                if not active:
+                    continue  # every engine failed: the rest is read (other ranks gather too), not sent
+                report.bytes_sent += bucket.nbytes
+
+                def send(k: int, bucket=bucket, active=active) -> None:
+                    e = active[k]
+                    body = {
+                        "engine": e, "group_name": links[e].group_name, "version": version,
+                        "names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
+                        "first": bucket.first, "final": bucket.final,
+                    }  # fmt: skip
+                    call = pool.submit(xfer.admin, assigned[e], "/admin/weights/update", body)
+                    try:
+                        sender.send(links[e], bucket, call)
+                        call.result(timeout=sender.timeout_s)
+                    except Exception:
+                        if not (bucket.first and e in kept):
+                            raise
+                        # a kept group that no longer works (the engine restarted between two
+                        # health checks, so its proxy saw no change): make a new one, once
+                        kept.discard(e)
+                        old = sender.drop(e)
+                        if old is not None:
+                            try:
+                                _destroy_remote(xfer, old)
+                            except Exception:  # noqa: BLE001 - a restarted engine has no such group
+                                pass
+                        connect(todo.index(e))
+                        report.groups_made = sender.groups_made - groups_before
+                        body["group_name"] = links[e].group_name
+                        call = pool.submit(xfer.admin, assigned[e], "/admin/weights/update", body)
+                        sender.send(links[e], bucket, call)
+                        call.result(timeout=sender.timeout_s)
+
+                for k, _, exc in parallel(send, list(range(len(active)))):
+                    if exc is not None:
+                        e = active[k]
+                        report.failed[e] = f"bucket {report.buckets} failed: {error_message(exc)}"
+                        link = sender.drop(e)
+                        if link is not None:
+                            try:  # the engine may still hold its end of the group
+                                _destroy_remote(xfer, link)
+                            except Exception:  # noqa: BLE001
+                                pass
+            lap("transfer")
+        finally:
+            pool.shutdown(wait=False)
+        report.loaded = [e for e in todo if e not in report.failed]
+
+        # 6. every proxy learns the version and which engines have it whole
+        body = {"version": version, "updated": report.loaded + report.skipped, "failed": report.failed}
+        results = parallel(lambda i: client.admin(i, "/admin/weights/commit", body), every)
+        fail_first("version", results)
+        lap("version")
+    except BaseException:
+        resume_all(client, urls, every, None)  # none is left paused; the original error wins
+        raise
+
+    # 7. every proxy resumes
+    resume_and_time(client, urls, every, before_resume, report, lap)
+    if report.failed:
+        first = next(iter(report.failed))
+        detail = "; ".join(f"{e}: {why}" for e, why in report.failed.items())
+        raise PublishError(
+            "transfer", report.loaders.get(first, urls[0]),
+            f"{len(report.failed)} engine(s) did not get the whole weights and stay out of rotation ({detail}); "
+            f"{len(report.loaded) + len(report.skipped)} engine(s) serve v{version}; retry, or publish from disk",
+            report, engines=list(report.failed),
+        )  # fmt: skip
+    report.ok = True
+    return report
+
+
 def choose_transfer(statuses: list[dict], requested: str = "auto") -> str:
     """``distributed`` or ``disk``. ``auto``: distributed when every proxy's engines speak
     SGLang's weight-update API (SGLang, the reference engine); vLLM's is NCCL-only and needs
@@ -318,13 +562,9 @@ class TrainerPublisher:
 
     def publish_named(self, named: Iterable[tuple[str, torch.Tensor]], version: int):
         """The same from ``(name, tensor)`` pairs (a sharded trainer's gathered full tensors)."""
-        from .publish import publish_tensors
-
         return publish_tensors(self.client.urls, named, version, sender=self.sender, client=self.client, bucket_mb=self.bucket_mb)
 
     def close(self) -> None:
-        from .publish import destroy_groups
-
         destroy_groups(self.sender, self.client)
 
 
