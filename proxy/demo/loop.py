@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=4, help="sessions per group (same prompt)")
     p.add_argument("--lead", type=int, default=1, help="training steps' worth of sessions launched ahead of the trainer")
     p.add_argument("--concurrency", type=int, default=16, help="sessions in flight at most")
-    p.add_argument("--lr", type=float, default=1.5e-3, help="trainer learning rate (use ~1e-6 for a real model)")
+    p.add_argument("--lr", type=float, default=1e-3, help="trainer learning rate (use ~1e-6 for a real model)")
     p.add_argument("--minibatches", type=int, default=2, help="PPO optimizer steps per training step")
     p.add_argument("--lr-warmup-steps", type=int, default=2,
                    help="optimizer steps of linear lr warm-up (AdamW's first full-size sign steps are noise on 32 sessions)")

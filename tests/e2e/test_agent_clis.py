@@ -28,7 +28,9 @@ from tokenization.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
-CACHE = ROOT / ".cache" / "agent-clis"
+# SPLICE_AGENT_CLIS: another npm prefix holding the CLIs (e.g. an older Claude Code, installed with
+# `npm install --prefix DIR @anthropic-ai/claude-code@2.1.197`) to run these tests against it
+CACHE = Path(os.environ.get("SPLICE_AGENT_CLIS") or ROOT / ".cache" / "agent-clis")
 START_S = 600  # splice serve's start (engine included) on a loaded shared machine can pass 2 minutes
 PACKAGES = {"codex": "@openai/codex@0.169.0", "claude": "@anthropic-ai/claude-code@2.1.330"}
 
@@ -240,12 +242,18 @@ CLAUDE_SCRIPT = [
 ]
 
 
+TITLE_FIRST = {"2.1.197"}  # Claude Code versions whose `-p` run starts with a title request
+
+
 @pytest.mark.parametrize("history_edits", [None, "keep"])
 def test_claude_code_cli(tmp_path, splice_home, history_edits):
     claude = cli("claude")
     key = "sk-splice-cc"
     extra = ["--api-key", key] + (["--history-edits", history_edits] if history_edits else [])
-    proxy = start_proxy(tmp_path, None, script=CLAUDE_SCRIPT, extra=extra, env=splice_home, start_timeout_s=START_S)
+    version = subprocess.run([claude, "--version"], capture_output=True, text=True, timeout=60).stdout.split()[0]
+    # 2.1.197 asks for a session title before the first turn: the script answers it first
+    script = (["Echo splice-ok<|im_end|>"] if version in TITLE_FIRST else []) + CLAUDE_SCRIPT
+    proxy = start_proxy(tmp_path, None, script=script, extra=extra, env=splice_home, start_timeout_s=START_S)
     try:
         home, work = tmp_path / "home", tmp_path / "work"
         home.mkdir()
@@ -259,8 +267,19 @@ def test_claude_code_cli(tmp_path, splice_home, history_edits):
         assert "The command printed: splice-ok" in out
         out = _run([claude, "-p", "Again?", "--continue"], work, env)
         assert "Resumed: still splice-ok." in out
-        turns = _turns(proxy, "cc-ep-1")  # the admin token: the agent key reads no session
+        recorded = _turns(proxy, "cc-ep-1")  # the admin token: the agent key reads no session
+        # 2.1.197 first asks for a title (no tools, its own system prompt): an auxiliary side call
+        side = [t for t in recorded if t["role"] != "main"]
+        assert [t["role"] for t in side] == (["auxiliary"] if version in TITLE_FIRST else [])
+        assert all(not t["spliced"] for t in side)
+        turns = [t for t in recorded if t["role"] == "main"]
         assert len(turns) == 3
+        if version in TITLE_FIRST and history_edits is None:
+            # 2.1.197 rewrites its system text between `-p` and `--continue`: without `keep` the
+            # resumed turn forks (docs/agents.md), with it the episode stays one spliced sample
+            _all_spliced(turns[:2])
+            assert turns[2]["fork_reason"] == "history_edited"
+            return
         _all_spliced(turns)
         assert "splice-ok" in _bridge_text(_default_model(splice_home), turns)  # the tool really ran; its output was spliced in
         if history_edits == "keep":  # the episode is one training sample
