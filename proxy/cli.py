@@ -279,6 +279,12 @@ def _serve(settings: Settings, token_source: str = "as given") -> int:
     engines = ", ".join(redact_url(u) for u in (settings.engine_url or [_bundled_engine_words(settings)]))
 
     class Server(uvicorn.Server):
+        received: int | None = None  # the first shutdown signal
+
+        def handle_exit(self, sig: int, frame) -> None:
+            self.received = self.received or sig
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):
             """uvicorn shuts down gracefully on SIGINT / SIGTERM and re-raises them after; SIGHUP
@@ -304,11 +310,14 @@ def _serve(settings: Settings, token_source: str = "as given") -> int:
 
     try:
         limits = server_options(settings.max_header_bytes, settings.header_timeout_s)
-        Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False, **limits)).run()
+        server = Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False, **limits))
+        server.run()
     finally:
         if engine_proc is not None:
             engine_proc()
-    return 0
+    # uvicorn re-raises the signal once shut down; a SIGINT the parent set to ignore (`splice serve &`
+    # from a script) then does nothing, so the status still says which signal stopped the server
+    return 128 + server.received if server.received else 0
 
 
 def _bundled_engine_words(settings: Settings) -> str:

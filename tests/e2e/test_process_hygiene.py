@@ -38,12 +38,19 @@ def _session_members(sid: int) -> list[int]:
     return out
 
 
-def _start(tmp_path: Path, model_dir: str) -> tuple[subprocess.Popen, str]:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start(tmp_path: Path, model_dir: str, *, sigint_ignored: bool = False) -> tuple[subprocess.Popen, str]:
+    """``sigint_ignored``: started as ``splice serve &`` from a script is (a background job of a
+    shell without job control inherits SIGINT ignored)."""
     port = free_port()
     args = [sys.executable, "-m", "proxy.cli", "serve", "--port", str(port), "--store", str(tmp_path / "s.sqlite"),
             "--reference-model", model_dir]  # fmt: skip
     proc = subprocess.Popen(args, cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=_ignore_sigint if sigint_ignored else None)  # fmt: skip
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -87,9 +94,10 @@ def _none_survive(proc: subprocess.Popen, timeout_s: float = 30.0) -> int | None
     return rc
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_while_serving_stops_the_engine(tmp_path, model_dir, sig, code):
-    proc, url = _start(tmp_path, model_dir)
+@pytest.mark.parametrize("sig, code, sigint_ignored", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, False),
+                                                      (signal.SIGINT, 130, True)])
+def test_signal_while_serving_stops_the_engine(tmp_path, model_dir, sig, code, sigint_ignored):
+    proc, url = _start(tmp_path, model_dir, sigint_ignored=sigint_ignored)
     _wait_healthy(proc, url)
     assert len(_session_members(proc.pid)) >= 2  # the proxy and its engine
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=60)
