@@ -269,13 +269,17 @@ async def _large_request(tmp_path):
     text = " ".join(f"word{i}" for i in range(250_000))  # ~2 MB, ~750k tokens to render
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+        start = time.perf_counter()
         big = asyncio.create_task(c.post("/v1/chat/completions", json=chat(text, max_tokens=4)))
-        worst = 0.0
+        worst, polls = 0.0, 0
         while not big.done():
             t0 = time.perf_counter()
             assert (await c.get("/health")).status_code == 200
-            worst = max(worst, time.perf_counter() - t0)
+            worst, polls = max(worst, time.perf_counter() - t0), polls + 1
             await asyncio.sleep(0.02)
         r = await big
+        total = time.perf_counter() - start
     assert r.status_code == 200, r.text
-    assert worst < 1.0, worst
+    # planned on the loop, one /health would wait for the whole request; relative, so a loaded
+    # machine (slower everything) does not decide it
+    assert polls >= 5 and worst < 0.5 * total, (polls, worst, total)

@@ -86,9 +86,10 @@ def script_engine(model_dir):
     stop()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def subprocess_engine(request, model_dir, script_texts):
-    """A ``start_engine`` subprocess, launched at session start so its startup overlaps other tests.
+    """A ``start_engine`` subprocess, launched when first asked for (not at session start: its
+    health polls would run beside other tests' respx mocks, which intercept every httpx call).
 
     Yields a future of ``(url, stop)``; None when no test in the session needs it.
     """
