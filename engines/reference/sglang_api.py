@@ -388,6 +388,7 @@ def make_router(state: EngineState) -> APIRouter:
                 # weight-update groups joined (/init_weights_update_group) and tensor loads received
                 "weight_update_groups": state.weight_groups.names() if state.weight_groups is not None else [],
                 "weight_update_groups_joined": state.weight_groups.joined if state.weight_groups is not None else 0,
+                "weight_update_groups_joining": state.weight_groups.joining if state.weight_groups is not None else 0,
                 "tensor_updates": state.worker.tensor_updates,
                 "has_image_understanding": state.lm.vision is not None,
                 "has_audio_understanding": False,

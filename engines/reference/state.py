@@ -111,7 +111,7 @@ class JobWatch:
 
     async def result(self, request: Request | None = None) -> Snapshot:
         """The finished snapshot; aborts the job if the HTTP client disconnects first."""
-        watcher = asyncio.create_task(_wait_disconnect(request)) if request is not None else None
+        watcher = asyncio.create_task(wait_disconnect(request)) if request is not None else None
         try:
             while not self.job.done.is_set():
                 waiter = asyncio.create_task(self._changed.wait())
@@ -137,7 +137,7 @@ async def _wait_running_or_gone(running: asyncio.Event, request: Request | None)
         await running.wait()
         return
     resumed = asyncio.create_task(running.wait())
-    gone = asyncio.create_task(_wait_disconnect(request))
+    gone = asyncio.create_task(wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({resumed, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -147,7 +147,7 @@ async def _wait_running_or_gone(running: asyncio.Event, request: Request | None)
         raise ClientGone()
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
         if msg.get("type") == "http.disconnect":

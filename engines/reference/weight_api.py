@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from fastapi import APIRouter, Request
 
-from .state import BadRequest, EngineState, error_response, json_response, read_json
-from .weight_sync import WeightGroups, parse_update
+from .state import BadRequest, EngineState, error_response, json_response, read_json, wait_disconnect
+from .weight_sync import JoinCancelled, WeightGroups, parse_update
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ def make_router(state: EngineState, groups: WeightGroups) -> APIRouter:
         missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if body.get(k) is None]
         if missing:
             return error_response(f"missing field(s) {missing}", 422)
+        cancelled = threading.Event()  # the caller hung up: stop trying to reach the trainer
+        gone = asyncio.create_task(wait_disconnect(request))
+        gone.add_done_callback(lambda t: t.cancelled() or cancelled.set())
         try:
             await asyncio.to_thread(
                 groups.join,
@@ -57,12 +61,18 @@ def make_router(state: EngineState, groups: WeightGroups) -> APIRouter:
                 world_size=int(body["world_size"]),
                 group_name=str(body.get("group_name") or DEFAULT_GROUP),
                 backend=str(body.get("backend") or "nccl"),
+                cancelled=cancelled,
             )
+        except JoinCancelled as e:
+            log.info("%s", e)
+            return _fail(f"Failed to initialize custom process group: {e}.")
         except (ValueError, TypeError) as e:
             return _fail(f"Failed to initialize custom process group: {e}.")
         except Exception as e:  # noqa: BLE001 - rendezvous timeout, unreachable master, ...
             log.warning("joining weight-update group failed: %r", e)
             return _fail(f"Failed to initialize custom process group: {e}.")
+        finally:
+            gone.cancel()
         return json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     @r.post("/update_weights_from_distributed")

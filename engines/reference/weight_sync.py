@@ -14,7 +14,9 @@ engine and to a real SGLang server alike.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
+import time
 
 import torch
 
@@ -39,6 +41,30 @@ def init_custom_process_group(
     return pg
 
 
+class JoinCancelled(RuntimeError):
+    """The caller of ``/init_weights_update_group`` hung up before the trainer's store answered."""
+
+
+def wait_for_master(host: str, port: int, *, timeout_s: float, cancelled: threading.Event | None, poll_s: float = 0.1) -> None:
+    """Until ``host:port`` accepts a TCP connection (the trainer's rendezvous store is up).
+
+    ``rendezvous`` itself retries connecting for its whole timeout and cannot be interrupted,
+    so an engine asked to join an address it cannot reach would keep trying long after the
+    proxy gave up; polling here first lets a hung-up caller stop the join within ``poll_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if cancelled is not None and cancelled.is_set():
+            raise JoinCancelled(f"the join of {host}:{port} was abandoned by its caller")
+        try:
+            with socket.create_connection((host, port), timeout=max(poll_s, 0.05)):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the trainer's store at {host}:{port} did not answer within {timeout_s:g} s: {exc}") from exc
+        time.sleep(poll_s)
+
+
 class WeightGroups:
     """The weight-update groups this engine has joined, by name (thread-safe)."""
 
@@ -48,14 +74,19 @@ class WeightGroups:
         self._groups: dict[str, object] = {}
         self._lock = threading.Lock()
         self.joined = 0  # groups joined since start (a debug counter: /model_info)
+        self.joining = 0  # joins in progress (a debug counter: /model_info)
 
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._groups)
 
-    def join(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str) -> None:
+    def join(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str,
+        cancelled: threading.Event | None = None,
+    ) -> None:  # fmt: skip
         """Join ``group_name`` as rank ``rank_offset`` (this engine has one rank). Blocks until
-        every rank arrived. Raises ValueError for a bad request, RuntimeError when joining fails."""
+        every rank arrived. Raises ValueError for a bad request, RuntimeError when joining fails
+        (:class:`JoinCancelled` when ``cancelled`` is set before the trainer's store answered)."""
         if not group_name:
             raise ValueError("Group name cannot be empty")
         if not 0 < int(rank_offset) < int(world_size):
@@ -67,10 +98,18 @@ class WeightGroups:
         with self._lock:
             if group_name in self._groups:
                 raise ValueError(f"group {group_name!r} already exists; destroy it first")
-        pg = init_custom_process_group(
-            backend=backend, master_address=master_address, master_port=int(master_port), world_size=int(world_size),
-            rank=int(rank_offset), group_name=group_name, timeout_s=self.timeout_s,
-        )  # fmt: skip
+        with self._lock:
+            self.joining += 1
+        try:
+            start = time.monotonic()
+            wait_for_master(master_address, int(master_port), timeout_s=self.timeout_s, cancelled=cancelled)
+            pg = init_custom_process_group(
+                backend=backend, master_address=master_address, master_port=int(master_port), world_size=int(world_size),
+                rank=int(rank_offset), group_name=group_name, timeout_s=max(1.0, self.timeout_s - (time.monotonic() - start)),
+            )  # fmt: skip
+        finally:
+            with self._lock:
+                self.joining -= 1
         with self._lock:
             self._groups[group_name] = pg
             self.joined += 1

@@ -17,6 +17,7 @@ from ..metrics import Metrics
 from ..session import RecomputeScheduler
 from ..store import Store
 from .jsonio import JSONResponse, body_schema, read_model
+from .streaming import watch_client
 from .models import MAX_INT32, UpdateWeightsBody, VersionBody, _Body
 
 log = logging.getLogger("splice.admin")
@@ -263,7 +264,9 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
     async def weights_init_group(request: Request):
         b = await read_model(request, WeightGroupBody)
         group = WeightGroup(b.master_address, b.master_port, b.group_name, b.backend, b.rank_offset, b.world_size)
-        await _on_engine(pool.init_weights_group(b.engine, group))
+        # a trainer that gave up takes the engine's join with it: cancelling the engine call
+        # closes its connection, and an engine that watches for that stops reaching for the trainer
+        await watch_client(request, asyncio.ensure_future(_on_engine(pool.init_weights_group(b.engine, group))))
         return JSONResponse({"success": True, "engine": b.engine, "group_name": b.group_name})
 
     @r.post("/admin/weights/destroy_group", openapi_extra=body_schema(WeightGroupNameBody))

@@ -488,3 +488,24 @@ def test_bad_weight_transfer_requests_get_openai_shaped_errors(fleet):
             assert err.get("param") == param
     st = _status(url)
     assert st["paused"] is False and fleet["a"] not in st["out_of_rotation"]  # nothing was touched
+
+
+def test_a_trainer_that_hangs_up_takes_the_engines_join_with_it(fleet):
+    """The trainer names an address the engine cannot reach, then gives up: the proxy cancels
+    its call to the engine and the engine stops trying to reach the trainer (it would otherwise
+    retry for its own rendezvous timeout, 600 s)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nobody listens there
+    body = {"engine": fleet["a"], "master_address": "127.0.0.1", "master_port": port, "group_name": "unreachable",
+            "backend": "gloo", "rank_offset": 1, "world_size": 2}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fleet["urls"][0] + "/admin/weights/init_group", json=body, headers=admin_headers(), timeout=1.5)
+    deadline = time.monotonic() + 15
+    while _info(fleet["a"])["weight_update_groups_joining"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    info = _info(fleet["a"])
+    assert info["weight_update_groups_joining"] == 0 and "unreachable" not in info["weight_update_groups"]
+    assert _chat_versions(fleet["urls"][0])[0] == 200  # the engine serves as before

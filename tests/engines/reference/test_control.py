@@ -221,3 +221,29 @@ def test_non_streaming_client_disconnect_aborts(engine):
     while httpx.get(engine + "/get_server_info").json()["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(engine + "/get_server_info").json()["active"] == 0
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _joining(url) -> int:
+    return httpx.get(url + "/get_model_info").json()["weight_update_groups_joining"]
+
+
+def test_a_join_stops_when_its_caller_hangs_up(engine):
+    """An engine asked to join a trainer it cannot reach stops trying once the caller (the
+    proxy) gives up, instead of retrying for its own 600 s rendezvous timeout."""
+    body = {"master_address": "127.0.0.1", "master_port": _closed_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "nobody-home", "backend": "gloo"}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        post(engine, "/init_weights_update_group", body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while _joining(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _joining(engine) == 0
+    assert "nobody-home" not in httpx.get(engine + "/get_model_info").json()["weight_update_groups"]
