@@ -189,6 +189,15 @@ class Http:
         # ``url``, where the password is redacted.
         self._base, self._auth = split_credentials(base_url.rstrip("/"))
         self.url = redact_url(base_url.rstrip("/"))
+        self._urls: dict[str, httpx.URL] = {}  # parsed once: httpx parses a str URL on every call
+
+    def _url(self, path: str) -> httpx.URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = httpx.URL(self._base + path)
+            if len(self._urls) < 64:
+                self._urls[path] = url
+        return url
 
     async def request(
         self,
@@ -208,7 +217,7 @@ class Http:
         try:
             async with deadline(timeout, self.url, path):
                 resp = await self.client.request(
-                    method, self._base + path, content=content, headers=headers, timeout=_timeout(timeout), auth=self._auth
+                    method, self._url(path), content=content, headers=headers, timeout=_timeout(timeout), auth=self._auth
                 )
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, self.url) from exc
@@ -225,7 +234,7 @@ class Http:
         POST-only route answers 405 where the route exists and 404 where it does not.
         """
         try:
-            resp = await self.client.request(method, self._base + path, timeout=_timeout(timeout), auth=self._auth)
+            resp = await self.client.request(method, self._url(path), timeout=_timeout(timeout), auth=self._auth)
         except httpx.HTTPError:
             return None
         return resp.status_code
@@ -237,7 +246,7 @@ class Http:
         """POST and yield the open response once its status is known to be 2xx."""
         req = self.client.build_request(
             "POST",
-            self._base + path,
+            self._url(path),
             content=orjson.dumps(body),
             headers={**(headers or {}), "content-type": "application/json", "accept": "text/event-stream"},
             timeout=_timeout(timeout),

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from engines.reference.launch import free_port
 
+from .profile import start_profile, stop_profile, top_frames
 from .stack import REPLY_TEXT, start_splice, start_standin, wait_http
 from .tables import format_table as _table
 from .workload import SYSTEM, TOOL, USER
@@ -46,6 +47,8 @@ def add_parser(sub) -> None:
     p.add_argument("--min-turns", type=int, default=300, help="turns per phase to aim for (sets sessions per worker)")
     p.add_argument("--phase-timeout", type=float, default=45.0, help="seconds after which a phase starts no new turns")
     p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (no install, no start)")
+    p.add_argument("--profile", metavar="PREFIX",
+                   help="sample Splice with py-spy during its phases: PREFIX-cC.txt (collapsed stacks) and the top frames printed")
     p.add_argument("--out")
 
 
@@ -172,7 +175,8 @@ def _stats(res: dict) -> dict:
             "n_errors": len(res["errors"]), "errors": res["errors"][:5], "timed_out": res.get("timed_out", False)}
 
 
-def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, deadline: float, standin_pid: int) -> dict:
+def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, deadline: float, standin_pid: int,
+           profile: str | None = None) -> dict:
     """One target at one C: load generator run, with proxy CPU and Splice metrics read around it.
 
     The stand-in's and the load generator's CPU are recorded too: on a small machine they compete
@@ -184,7 +188,10 @@ def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, dea
     murl = target.get("metrics_url")
     cpu0, sb0 = (_cpu_seconds(pid) if pid else None), _cpu_seconds(standin_pid)
     m0 = _splice_metrics(murl) if murl else None
+    spy = start_profile(pid, f"{profile}-c{c}.txt") if profile and murl else None
     res = _loadgen(spec, tmp, timeout=deadline + 120)
+    if spy is not None:
+        stop_profile(spy)
     cpu1, sb1 = (_cpu_seconds(pid) if pid else None), _cpu_seconds(standin_pid)
     m1 = _splice_metrics(murl) if murl else None
     st = _stats(res)
@@ -260,7 +267,9 @@ def run(args) -> dict:
             print(f"C={c}: {spw} session(s)/worker x {turns} turns ...", flush=True)
             row = {"concurrency": c, "turns_per_session": turns, "sessions_per_worker": spw}
             for t in targets:
-                row[t["key"]] = _phase(t, c, turns, spw, base, tmp, args.phase_timeout, procs[0].pid)
+                row[t["key"]] = _phase(t, c, turns, spw, base, tmp, args.phase_timeout, procs[0].pid, args.profile)
+            if args.profile:
+                print(top_frames(f"{args.profile}-c{c}.txt"), flush=True)
             for k in ("splice", "litellm"):
                 s, ch, gen = row.get(k), row["direct_chat"], row["direct_generate"]
                 if s and s["turns"] and ch["turns"] and gen["turns"]:

@@ -1,0 +1,80 @@
+"""A sampling profile of a running proxy: ``py-spy record`` (collapsed stacks) around a bench
+phase, and its hottest frames as a table.
+
+py-spy is not a dependency (``pip install py-spy``); it is found on ``PATH`` or at ``$PY_SPY``.
+Attaching needs ptrace permission over the proxy (same user, ``kernel.yama.ptrace_scope`` 0 or
+1 with the proxy a child of the caller's parent, or root).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections import Counter
+
+from .tables import format_table
+
+
+def _py_spy() -> str:
+    exe = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if not exe:
+        raise SystemExit("--profile needs py-spy: pip install py-spy (or set PY_SPY to its path)")
+    return exe
+
+
+def start_profile(pid: int, out: str, rate: int = 250) -> subprocess.Popen:
+    """``py-spy record`` on ``pid`` until :func:`stop_profile`; collapsed stacks to ``out``."""
+    return subprocess.Popen([_py_spy(), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
+                             "--output", out, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def stop_profile(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _frame(raw: str) -> str:
+    """``func (path/to/module.py:123)`` -> ``module.py:func``."""
+    name, _, where = raw.partition(" (")
+    path = where.rsplit(":", 1)[0]
+    parts = path.split("/")
+    short = "/".join(parts[-2:]) if parts[-1] in ("__init__.py", "main.py", "base.py", "routing.py") else parts[-1]
+    return f"{short}:{name}" if where else name
+
+
+def summarize(path: str) -> tuple[int, Counter, Counter]:
+    """(samples, inclusive, self) counts per frame from a collapsed-stack file (idle threads dropped)."""
+    total, incl, own = 0, Counter(), Counter()
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            frames = [_frame(x) for x in stack.split(";")[1:]]  # first entry: the thread
+            if not frames or frames[-1].endswith(("select", "_run_once:select", "selectors.py:select")):
+                continue  # the event loop waiting for I/O: not CPU
+            k = int(n)
+            total += k
+            for fr in set(frames):
+                incl[fr] += k
+            own[frames[-1]] += k
+    return total, incl, own
+
+
+def top_frames(path: str, n: int = 25) -> str:
+    """The ``n`` frames with the most samples under them (inclusive) and where samples land (self)."""
+    try:
+        total, incl, own = summarize(path)
+    except OSError as exc:
+        return f"profile {path}: {exc}"
+    if not total:
+        return f"profile {path}: no busy samples"
+    rows = [[fr, f"{100 * k / total:.1f}"] for fr, k in incl.most_common(n)]
+    rows2 = [[fr, f"{100 * k / total:.1f}"] for fr, k in own.most_common(n)]
+    return (f"\nprofile {path}: {total} busy samples\n" + format_table(["frame (inclusive)", "%"], rows)
+            + "\n\n" + format_table(["frame (self)", "%"], rows2))
