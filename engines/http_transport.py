@@ -74,8 +74,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s)
-            # trust_env: HTTP(S)_PROXY / NO_PROXY apply as they do to httpx's own transport
-            self._session = aiohttp.ClientSession(connector=connector, trust_env=True, auto_decompress=False)
+            # No trust_env: aiohttp would read the proxy variables and ~/.netrc on every request
+            # (a tenth of the proxy's CPU under load); engines are reached directly.
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False)
         return self._session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:

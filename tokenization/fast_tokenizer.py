@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+MEMO_MAX_CHARS = 64  # strings this short recur: role headers, think / tool-call markers, "\n"
+MEMO_ENTRIES = 4096
+
 _PROBES = (
     "hello world", "Hello.\n\n", '{"a": false}', "e\u0301 caf\u00e9 \u4f60\u597d \U0001f600",
     "<|im_start|>user\nhi<|im_end|>\n", "  spaces\tand\ttabs  ", "<tool_call>\n{}\n</tool_call>",
@@ -30,6 +33,10 @@ class FastTokenizer:
                     self._backend = backend
             except Exception:
                 self._backend = None
+        # The renderers encode the same short scaffold strings several times per turn (each
+        # reasoning scan encodes "<think>"); a call into the Rust backend costs microseconds,
+        # a dict hit a fraction of one. Bounded: cleared when full.
+        self._memo: dict[str, tuple[int, ...]] = {}
 
     @property
     def wrapped(self) -> Any:
@@ -37,7 +44,14 @@ class FastTokenizer:
 
     def encode(self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
         if self._backend is not None and not args and not kwargs and not add_special_tokens:
-            return self._backend.encode(text, add_special_tokens=False).ids
+            if len(text) > MEMO_MAX_CHARS:
+                return self._backend.encode(text, add_special_tokens=False).ids
+            ids = self._memo.get(text)
+            if ids is None:
+                if len(self._memo) >= MEMO_ENTRIES:
+                    self._memo.clear()
+                ids = self._memo[text] = tuple(self._backend.encode(text, add_special_tokens=False).ids)
+            return list(ids)  # a fresh list: callers may extend it
         return self._tok.encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
 
     def decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> str:

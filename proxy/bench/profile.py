@@ -47,6 +47,15 @@ def _frame(raw: str) -> str:
     return f"{short}:{name}" if where else name
 
 
+def _idle(last: str) -> bool:
+    """A sample of a thread waiting, not working: the event loop in ``select`` (or inside
+    uvloop's native loop, where Python frames stop at ``asyncio.run``) or a pool thread waiting
+    for work. py-spy cannot always tell from the OS thread state in a VM."""
+    name = last.partition(" (")[0]
+    return name in ("select", "poll") or last.startswith("run (asyncio/runners.py") or (
+        name == "_worker" and "concurrent/futures/thread.py" in last and "run (" not in last)
+
+
 def summarize(path: str) -> tuple[int, Counter, Counter]:
     """(samples, inclusive, self) counts per frame from a collapsed-stack file (idle threads dropped)."""
     total, incl, own = 0, Counter(), Counter()
@@ -55,9 +64,10 @@ def summarize(path: str) -> tuple[int, Counter, Counter]:
             stack, _, n = line.rstrip("\n").rpartition(" ")
             if not stack or not n.isdigit():
                 continue
-            frames = [_frame(x) for x in stack.split(";")[1:]]  # first entry: the thread
-            if not frames or frames[-1].endswith(("select", "_run_once:select", "selectors.py:select")):
-                continue  # the event loop waiting for I/O: not CPU
+            raw = stack.split(";")
+            if _idle(raw[-1]):
+                continue
+            frames = [_frame(x) for x in raw[1:]]  # first entry: the thread
             k = int(n)
             total += k
             for fr in set(frames):

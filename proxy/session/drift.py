@@ -36,7 +36,13 @@ class DriftChecker:
             return False
         return index < 8 or (index & (index - 1)) == 0  # sampled: early turns, then powers of two
 
-    async def check(self, req: TurnRequest, result: TurnResult, parent_turn_id: str | None) -> None:
+    def inherited(self, parent_turn_id: str | None) -> bool:
+        """True when the parent is known to have drifted: so has this turn, and its commit can
+        say so (no second write after the fact)."""
+        return bool(parent_turn_id) and self._drifted.get(parent_turn_id) is True
+
+    async def check(self, req: TurnRequest, result: TurnResult, parent_turn_id: str | None, *, recorded: bool = False) -> None:
+        """``recorded``: the turn was committed with ``drift`` set (:meth:`inherited`)."""
         drifted = self._drifted.get(parent_turn_id) if parent_turn_id else None
         if drifted is None:
             if not self.due(result.index):
@@ -51,4 +57,5 @@ class DriftChecker:
         self._drifted.put(result.turn_id, drifted)
         if drifted:
             self.metrics.drift.inc()
-            await asyncio.to_thread(self.store.turns.set_drift, result.turn_id, True)
+            if not recorded:
+                await asyncio.to_thread(self.store.turns.set_drift, result.turn_id, True)

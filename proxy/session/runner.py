@@ -194,7 +194,7 @@ class TurnRunner:
         watch.finished(result, time.perf_counter() - t_start, p, req)
         self.metrics.proxy_seconds.observe(max(0.0, time.perf_counter() - t_start - gen.engine_time_s))
         if p.spliced:
-            self._spawn(self.drift.check(req, result, p.parent_turn_id))
+            self._spawn(self.drift.check(req, result, p.parent_turn_id, recorded=result.drift_recorded))
         return result
 
     async def _check_fits(self, req: TurnRequest, chars: int) -> None:
@@ -317,7 +317,7 @@ class TurnRunner:
             finish_reason=gen.finish_reason,
             created_at=result.created_at,
             requested_sampling=self._record_sampling(req, gen) | self.roles.record(req, p),
-            drift=False,
+            drift=p.spliced and self.drift.inherited(p.parent_turn_id),
             api=req.api,
             response_id=result.response_id,
             images=p.images,
@@ -334,6 +334,7 @@ class TurnRunner:
             code = "session_closed" if now is not None and now.closed else "session_conflict"
             raise APIError(409, str(exc), code=code) from exc
         result.index = turn.index
+        result.drift_recorded = turn.drift
         if new_images:
             self.store.images.remember(new_images)
 

@@ -75,6 +75,7 @@ class TurnResult:
     model: str
     role: str = "main"
     index: int = -1  # the turn's position in its session, known once committed
+    drift_recorded: bool = False  # committed with ``drift`` set (the parent had drifted)
     body: dict[str, Any] | None = None  # the front end's presentation, as committed
     encoded: bytes | None = None  # ``body`` as JSON
 

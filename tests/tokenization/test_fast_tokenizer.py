@@ -11,6 +11,16 @@ def test_backend_encode_equals_transformers_encode(qwen_tok, text):
     fast = FastTokenizer(qwen_tok)
     assert fast._backend is not None
     assert fast.encode(text, add_special_tokens=False) == qwen_tok.encode(text, add_special_tokens=False)
+    assert fast.encode(text) == qwen_tok.encode(text, add_special_tokens=False)  # the memo's answer, second time
+
+
+def test_memoised_short_strings_come_back_as_fresh_lists(qwen_tok):
+    fast = FastTokenizer(qwen_tok)
+    first = fast.encode("<think>\n")
+    first.append(-1)  # a caller extending what it got must not change the next answer
+    assert fast.encode("<think>\n") == qwen_tok.encode("<think>\n", add_special_tokens=False)
+    long = "word " * 40  # above the memo's limit: encoded each time, same ids
+    assert fast.encode(long) == qwen_tok.encode(long, add_special_tokens=False) and long not in fast._memo
 
 
 def test_renderer_on_the_fast_view_renders_the_same_ids(qwen_tok):

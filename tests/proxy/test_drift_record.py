@@ -1,0 +1,69 @@
+"""Turns record the drift a full re-render would have caused (what splicing avoided).
+
+The reference is the model's own chat template (``apply_chat_template``): a spliced turn
+drifted exactly when the template's render of its conversation differs from the prompt the
+engine was sent. Qwen3's template drops the reasoning of assistant turns before the last user
+message, so every turn spliced after a new user message drifts. The parent's check writes its flag after the fact;
+a child of a drifted turn is committed with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import respx
+
+from engines.pool import EnginePool
+from proxy.app import create_app
+from proxy.settings import Settings
+from tests.fakes.engines import FakeSGLang, Step
+from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir
+
+TOK = load_tokenizer(str(qwen3_tokenizer_dir()))
+URL = "http://engine-a:30000"
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+REPLY = "<think>\nThe user wants the next step.\n</think>\n\nStep done.<|im_end|>"
+
+
+def _step() -> Step:
+    return Step(tokens=[(t, -0.25) for t in TOK.encode(REPLY, add_special_tokens=False)])
+
+
+def test_spliced_turns_record_the_drift_the_template_would_have_caused(tmp_path):
+    async def main():
+        with respx.mock(assert_all_called=False) as router:
+            engine = FakeSGLang(router, URL)
+            engine.script = [_step() for _ in range(4)]
+            app = create_app(Settings(store=str(tmp_path / "s.sqlite"), engine_url=[URL]), fmt=ChatFormat(TOK, "qwen3"),
+                             pool=EnginePool("sglang", [URL], health_interval_s=0))  # fmt: skip
+            convs, writes = [], []
+            set_drift = app.state.store.turns.set_drift
+            app.state.store.turns.set_drift = lambda *a, **k: (writes.append(a), set_drift(*a, **k))
+            async with app.router.lifespan_context(app):
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+                    msgs = [{"role": "user", "content": "Run f until done."}]
+                    for k in range(4):
+                        r = await c.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS}, headers={"X-Session-Id": "d"})
+                        assert r.status_code == 200, r.text
+                        convs.append([dict(m) for m in msgs])
+                        m = r.json()["choices"][0]["message"]
+                        msgs += [{"role": "assistant", "content": m["content"], "reasoning_content": m["reasoning_content"]},
+                                 {"role": "user", "content": f"Now step {k + 1}."}]  # fmt: skip
+                        await app.state.runner.drain()  # the parent's check is done before the child commits
+                turns = app.state.store.turns.list("d")
+                drift_metric = app.state.metrics.drift._value.get()
+            return engine, convs, turns, drift_metric, writes
+
+    engine, convs, turns, drift_metric, writes = asyncio.run(main())
+    sent = [req["input_ids"] for req in engine.requests]
+    expected = []
+    for conv, prompt in zip(convs, sent):
+        full = TOK.apply_chat_template(conv, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+        full = list(full["input_ids"] if isinstance(full, dict) or hasattr(full, "keys") else full)
+        expected.append(full != prompt)
+    assert [t.spliced for t in turns] == [False, True, True, True]
+    assert expected == [False, True, True, True]  # earlier reasoning dropped: every spliced turn drifts
+    assert [t.drift for t in turns] == expected
+    assert drift_metric == sum(expected)
+    assert [w[0] for w in writes] == [turns[1].turn_id]  # turns 2 and 3 were committed with it: no second write
