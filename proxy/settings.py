@@ -41,8 +41,8 @@ class Settings(BaseSettings):
     train_auxiliary: bool = False
     sampling: Literal["trainable", "honor"] = "trainable"
     # Counting the drift a full re-render would have caused costs a full render per checked turn
-    # (off the hot path, but CPU): "sampled" inherits a parent's drift and renders turns 0-7 and
-    # then powers of two of sessions that have not drifted yet.
+    # (off the hot path, but CPU): "sampled" inherits a parent's drift and renders turns 1, 2, 4, 8, ...
+    # of sessions that have not drifted yet.
     drift_check: Literal["all", "sampled", "off"] = "sampled"
     temperature: float = 1.0  # the server-wide sampling temperature (trainable mode)
     max_context: int | None = None  # prompt + output tokens; default (and upper bound): the engine's own

@@ -68,6 +68,8 @@ def summarize(path: str) -> tuple[int, Counter, Counter]:
             if _idle(raw[-1]):
                 continue
             frames = [_frame(x) for x in raw[1:]]  # first entry: the thread
+            if not frames:
+                continue
             k = int(n)
             total += k
             for fr in set(frames):

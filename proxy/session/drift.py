@@ -3,7 +3,8 @@ turn's conversation have produced different prompt ids? Runs off the hot path, i
 
 A turn spliced onto a turn that drifted drifts too (the re-render repeats the earlier
 difference), so only sessions that have not drifted yet pay for a full render; ``sampled``
-mode renders turns 0-7 and then powers of two of those.
+mode renders turns 1, 2, 4, 8, ... of those (a render is a full render of the conversation:
+its cost over a session stays linear in the session's length).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class DriftChecker:
             return True
         if self.mode == "off":
             return False
-        return index < 8 or (index & (index - 1)) == 0  # sampled: early turns, then powers of two
+        return index > 0 and (index & (index - 1)) == 0  # sampled: turns 1, 2, 4, 8, ...
 
     def inherited(self, parent_turn_id: str | None) -> bool:
         """True when the parent is known to have drifted: so has this turn, and its commit can
