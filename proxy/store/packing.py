@@ -17,6 +17,8 @@ def pack_i32(values) -> bytes:
 
 
 def fits_i32(values) -> bool:
+    if isinstance(values, list) and len(values) <= 2:
+        return all(-(2**31) <= int(v) < 2**31 for v in values)
     a = np.asarray(values, dtype=np.int64)
     return a.size == 0 or (int(a.min()) >= -(2**31) and int(a.max()) < 2**31)
 
@@ -35,6 +37,8 @@ def unpack_f32(blob: bytes | None) -> np.ndarray:
 
 def pack_runs(values) -> bytes:
     """Run-length encode ints as int32 (value, count) pairs: versions are long runs of one value."""
+    if isinstance(values, list) and values and values.count(values[0]) == len(values):  # one run: no numpy
+        return pack_i32([values[0], len(values)])
     a = np.asarray(values, dtype=np.int64)
     if a.size == 0:
         return b""

@@ -82,7 +82,7 @@ class TurnRecord:
         if self.index < 0:
             raise ValueError(f"turn {self.turn_id}: index must be >= 0, got {self.index}")
         for name in ("output_logprobs", "proximal_logprobs_t"):
-            if not all(math.isfinite(x) for x in getattr(self, name)):
+            if not all(map(math.isfinite, getattr(self, name))):
                 raise ValueError(f"turn {self.turn_id}: {name} holds a non-finite value")
 
     def to_dict(self) -> dict:

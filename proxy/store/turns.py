@@ -11,6 +11,7 @@ token for one 10k-token turn, 9.2 for 20 spliced turns of 500 tokens.
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from .packing import (
 from .records import TurnRecord
 from .responses import ResponseTable, StoredResponse
 from .samples import TurnTokens
-from .sessions import SessionTable, read_session
+from .sessions import SessionTable
 
 SELECT = (
     "SELECT t.seq, t.turn_id, t.session_id, t.idx, t.parent_turn_id, t.prompt_base, t.prompt_base_len, "
@@ -84,6 +85,7 @@ class TurnTable:
         self.responses = responses
         self.clock = clock
         self._full_ids = LRU(4_000_000)  # turn seq -> prompt+output ids (int32 array)
+        self._sampling_ids: dict[bytes, int] = {}  # committed samplings rows: a turn's record is usually one of a few
 
     # ------------------------------------------------------------ writing
 
@@ -107,79 +109,94 @@ class TurnTable:
         """
         out = np.asarray(turn.output_ids, dtype=np.int64)
         prompt = np.asarray(turn.prompt_ids, dtype=np.int64)
-        if not (fits_i32(out) and fits_i32(prompt) and fits_i32(turn.versions) and fits_i32(turn.proximal_versions)):
+        versions = np.asarray(turn.versions, dtype=np.int64)
+        prox_versions = np.asarray(turn.proximal_versions, dtype=np.int64)
+        if not fits_i32(np.concatenate((out, prompt, versions, prox_versions))):
             raise ValueError(f"turn {turn.turn_id}: ids and versions must fit in int32")
-        prompt = prompt.astype(I32)
+        prompt, versions, prox_versions = prompt.astype(I32), versions.astype(I32), prox_versions.astype(I32)
         logprobs = np.asarray(turn.output_logprobs, dtype=F32)
-        versions = np.asarray(turn.versions, dtype=I32)
         prox = np.asarray(turn.proximal_logprobs_t, dtype=F32)
-        prox_versions = np.asarray(turn.proximal_versions, dtype=I32)
         sampling = orjson.dumps(turn.requested_sampling or {}, option=orjson.OPT_SORT_KEYS)
+        sampling_id = self._sampling_ids.get(sampling)
         with self.db.write() as c:
             if session_fields is not None:
                 self.sessions.upsert_in(c, turn.session_id, **session_fields)
-            session = read_session(c, turn.session_id)
-            if session is None:
+            row = c.execute(
+                "SELECT closed, (SELECT MAX(idx) FROM turns WHERE session_id = ?1) FROM sessions WHERE session_id = ?1",
+                (turn.session_id,),
+            ).fetchone()
+            if row is None:
                 raise NotFound(f"no session {turn.session_id!r} for turn {turn.turn_id}")
-            if session.closed:
+            if row[0]:
                 raise Conflict(f"session {turn.session_id!r} is closed (reward set); it takes no more turns")
             if turn.index < 0:
-                row = c.execute("SELECT MAX(idx) FROM turns WHERE session_id = ?", (turn.session_id,)).fetchone()
-                turn.index = 0 if row[0] is None else int(row[0]) + 1
+                turn.index = 0 if row[1] is None else int(row[1]) + 1
             turn.check()
-            if c.execute("SELECT 1 FROM turns WHERE turn_id = ?", (turn.turn_id,)).fetchone():
-                raise Conflict(f"turn {turn.turn_id!r} already stored")
-            if c.execute("SELECT 1 FROM turns WHERE session_id = ? AND idx = ?", (turn.session_id, turn.index)).fetchone():
-                raise Conflict(f"session {turn.session_id!r} already has a turn with index {turn.index}")
-            if c.execute("SELECT 1 FROM item_ids WHERE item_id = ?", (turn.response_id,)).fetchone():
-                raise Conflict(f"id {turn.response_id!r} already names another turn")
+            if sampling_id is None:
+                sampling_id = _sampling_id(c, sampling)
             base_seq, base_len = self._pick_prompt_base(c, turn, prompt)
-            cur = c.execute(
-                "INSERT INTO turns (turn_id, session_id, idx, parent_turn_id, prompt_base, prompt_base_len, "
-                "prompt_tail, n_prompt, n_output, output_ids, logprobs, versions, spliced, fork_reason, "
-                "finish_reason, created_at, sampling_id, drift, api, response_id, role) "
-                "VALUES (" + ",".join("?" * 21) + ")",
-                (
-                    turn.turn_id,
-                    turn.session_id,
-                    turn.index,
-                    turn.parent_turn_id,
-                    base_seq,
-                    base_len,
-                    prompt[base_len:].tobytes(),
-                    len(prompt),
-                    len(out),
-                    out.astype(I32).tobytes(),
-                    logprobs.tobytes(),
-                    pack_runs(versions),
-                    int(turn.spliced),
-                    turn.fork_reason,
-                    turn.finish_reason,
-                    turn.created_at,
-                    _sampling_id(c, sampling),
-                    int(turn.drift),
-                    turn.api,
-                    turn.response_id,
-                    turn.role,
-                ),
-            )
-            seq = cur.lastrowid
-            write_proximal(c, seq, logprobs, versions, prox, prox_versions)
+            try:  # the UNIQUE constraints check turn id, (session, index) and item id
+                cur = c.execute(
+                    "INSERT INTO turns (turn_id, session_id, idx, parent_turn_id, prompt_base, prompt_base_len, "
+                    "prompt_tail, n_prompt, n_output, output_ids, logprobs, versions, spliced, fork_reason, "
+                    "finish_reason, created_at, sampling_id, drift, api, response_id, role) "
+                    "VALUES (" + ",".join("?" * 21) + ")",
+                    (
+                        turn.turn_id,
+                        turn.session_id,
+                        turn.index,
+                        turn.parent_turn_id,
+                        base_seq,
+                        base_len,
+                        prompt[base_len:].tobytes(),
+                        len(prompt),
+                        len(out),
+                        out.astype(I32).tobytes(),
+                        logprobs.tobytes(),
+                        pack_runs(turn.versions),
+                        int(turn.spliced),
+                        turn.fork_reason,
+                        turn.finish_reason,
+                        turn.created_at,
+                        sampling_id,
+                        int(turn.drift),
+                        turn.api,
+                        turn.response_id,
+                        turn.role,
+                    ),
+                )
+                seq = cur.lastrowid
+                c.execute("INSERT INTO item_ids (item_id, turn_seq) VALUES (?, ?)", (turn.response_id, seq))
+            except sqlite3.IntegrityError as exc:
+                raise self._duplicate(turn, exc) from None
+            write_proximal(c, seq, logprobs, versions, prox, prox_versions, fresh=True)
             if new_images:
                 write_images(c, new_images, self.clock())
             if turn.images:
                 c.execute("INSERT INTO turn_images (turn_seq, refs) VALUES (?, ?)", (seq, pack_refs(turn.images)))
-            c.execute("INSERT INTO item_ids (item_id, turn_seq) VALUES (?, ?)", (turn.response_id, seq))
             if fingerprints:
                 c.executemany(
                     "INSERT OR IGNORE INTO fingerprints (fp, turn_seq) VALUES (?, ?)", [(fp, seq) for fp in fingerprints]
                 )
             resp_seq = self.responses.insert(c, response, turn.session_id, turn.turn_id) if response is not None else None
+        if len(self._sampling_ids) < 4096:  # committed: the id is real
+            self._sampling_ids[sampling] = sampling_id
         # Only after COMMIT: a rolled-back seq may be reused by another turn.
         self._full_ids.put(seq, np.concatenate([prompt, out.astype(I32)]))
         if resp_seq is not None:
             self.responses.remember(resp_seq, response.conversation)
         return turn
+
+    @staticmethod
+    def _duplicate(turn: TurnRecord, exc: sqlite3.IntegrityError) -> Conflict:
+        what = str(exc)
+        if "turns.turn_id" in what:
+            return Conflict(f"turn {turn.turn_id!r} already stored")
+        if "turns.session_id" in what:
+            return Conflict(f"session {turn.session_id!r} already has a turn with index {turn.index}")
+        if "item_ids.item_id" in what:
+            return Conflict(f"id {turn.response_id!r} already names another turn")
+        return Conflict(f"turn {turn.turn_id!r} conflicts with a stored one: {what}")
 
     def abandon(self, turn_id: str) -> None:
         """Mark a committed turn abandoned: its client went away before the answer was sent,
@@ -454,11 +471,13 @@ def _sampling_id(c, blob: bytes) -> int:
     return row[0] if row else c.execute("INSERT INTO samplings (json) VALUES (?)", (blob,)).lastrowid
 
 
-def write_proximal(c, seq: int, logprobs, versions, prox, prox_versions) -> None:
-    """Store what differs from the behaviour arrays, and which versions still lack a value."""
+def write_proximal(c, seq: int, logprobs, versions, prox, prox_versions, *, fresh: bool = False) -> None:
+    """Store what differs from the behaviour arrays, and which versions still lack a value.
+    ``fresh``: ``seq`` was just inserted, so it has no rows here to replace."""
     prox_blob, pv_blob = pack_proximal(logprobs, versions, prox, prox_versions)
     if prox_blob is None and pv_blob is None:
-        c.execute("DELETE FROM proximal WHERE turn_seq = ?", (seq,))
+        if not fresh:
+            c.execute("DELETE FROM proximal WHERE turn_seq = ?", (seq,))
     else:
         c.execute(
             "INSERT OR REPLACE INTO proximal (turn_seq, prox_logprobs, prox_versions) VALUES (?, ?, ?)",
@@ -470,7 +489,7 @@ def write_proximal(c, seq: int, logprobs, versions, prox, prox_versions) -> None
             "INSERT OR REPLACE INTO pending (turn_seq, vmin, vmax) VALUES (?, ?, ?)",
             (seq, int(pending.min()), int(pending.max())),
         )
-    else:
+    elif not fresh:
         c.execute("DELETE FROM pending WHERE turn_seq = ?", (seq,))
 
 

@@ -53,10 +53,14 @@ def test_add_turn_rejections(store, make_turn):
         store.turns.add(make_turn("nosession", 0, [1], [2]))
     store.sessions.upsert("s")
     store.turns.add(make_turn("s", 0, [1], [2]))
-    with pytest.raises(Conflict):
+    with pytest.raises(Conflict, match="'s-t0' already stored"):
         store.turns.add(make_turn("s", 1, [1], [2], turn_id="s-t0"))
-    with pytest.raises(Conflict):
+    with pytest.raises(Conflict, match="already has a turn with index 0"):
         store.turns.add(make_turn("s", 0, [1], [2], turn_id="other"))
+    same_item = make_turn("s", 1, [1], [2], turn_id="third")
+    same_item.response_id = store.turns.get("s-t0").response_id
+    with pytest.raises(Conflict, match="already names another turn"):
+        store.turns.add(same_item)
     bad = make_turn("s", 1, [1], [2, 3])
     bad.versions = [0]
     with pytest.raises(ValueError):
