@@ -96,6 +96,13 @@ def _timeout(total_s: float) -> httpx.Timeout:
     return httpx.Timeout(total_s, connect=min(total_s, CONNECT_TIMEOUT_S))
 
 
+def token_list(ids) -> Any:
+    """Token ids as a request body takes them: a list of ints is sent as it is (no per-token
+    copy: a long session's prompt is 100k of them), anything else becomes one (numpy arrays
+    and numpy ints serialise natively, ``OPT_SERIALIZE_NUMPY``)."""
+    return ids if type(ids) is list else [int(t) for t in ids]
+
+
 def clean_logprob(value: Any) -> float:
     """A finite float for a logprob from the wire (-inf, NaN and null -> NEG_INF_LOGPROB)."""
     if value is None:
@@ -210,7 +217,7 @@ class Http:
         headers: dict[str, str] | None = None,
     ) -> Any:
         """Send one request and return its decoded JSON body (None for an allowed empty body)."""
-        content = orjson.dumps(body) if body is not None else None
+        content = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY) if body is not None else None
         headers = dict(headers or {})
         if content is not None:
             headers["content-type"] = "application/json"
@@ -247,7 +254,7 @@ class Http:
         req = self.client.build_request(
             "POST",
             self._url(path),
-            content=orjson.dumps(body),
+            content=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
             headers={**(headers or {}), "content-type": "application/json", "accept": "text/event-stream"},
             timeout=_timeout(timeout),
         )

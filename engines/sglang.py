@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import httpx
 
 from engines.client import TokensCallback, model_card, positive_int, prefill_values
-from engines.http import Http, clean_logprob, deadline, expect_dict, weight_version_spans
+from engines.http import Http, clean_logprob, deadline, expect_dict, token_list, weight_version_spans
 from engines.images import check_spans, collapse, data_url, in_image, stop_and_ban
 from engines.resume import parse_version
 from engines.weight_transfer import TensorBatch, WeightGroup, sglang_init_body, sglang_update_body
@@ -86,7 +86,7 @@ def generate_payload(
             "stream": bool(stream),
         }
     return {
-        "input_ids": [int(t) for t in input_ids],
+        "input_ids": token_list(input_ids),
         "sampling_params": sampling_payload(params),
         "return_logprob": True,
         "logprob_start_len": int(logprob_start_len),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from engines.http import clean_logprob, expect_dict, weight_version_spans
+from engines.http import clean_logprob, expect_dict, token_list, weight_version_spans
 from engines.images import check_spans, collapse, data_url, stop_and_ban
 from engines.types import EngineBadResponse, EngineImage, FinishReason, SamplingParams, Segment
 from engines.vllm_worker import QUALNAME as EXTENSION_QUALNAME
@@ -36,7 +36,7 @@ def completion_payload(
         body["model"] = model
     body.update(
         {
-            "prompt": [int(t) for t in input_ids],
+            "prompt": token_list(input_ids),
             "max_tokens": int(params.max_new_tokens),
             "temperature": float(params.temperature),
             "top_p": float(params.top_p),

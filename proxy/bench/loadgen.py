@@ -20,6 +20,9 @@ import time
 import orjson
 
 
+FAILURES = (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, KeyError)
+
+
 class Conn:
     """One keep-alive HTTP/1.1 connection; reopened when the server closes it."""
 
@@ -83,28 +86,37 @@ async def run(spec: dict) -> dict:
     errors: list[str] = []
     sessions = 0
 
-    async def chat_session(conn: Conn, name: str) -> None:
-        msgs = [dict(m) for m in spec["messages"]]
+    def chat_start(name: str) -> dict:
         headers = {"X-Session-Id": name} if spec.get("session_header") else {}
         headers.update(spec.get("headers") or {})
-        for t in range(turns):
-            if time.perf_counter() > deadline:
-                return
-            body = orjson.dumps({"model": spec["model"], "messages": msgs, "tools": spec["tools"], "max_tokens": 512})
-            t0 = time.perf_counter()
-            status, data = await asyncio.wait_for(conn.post("/v1/chat/completions", body, headers), timeout)
-            dt = time.perf_counter() - t0
-            if status != 200:
-                errors.append(f"{status}: {data[:200]!r}")
-                return
-            m = orjson.loads(data)["choices"][0]["message"]
-            calls = m.get("tool_calls") or []
-            if not calls:
-                errors.append(f"no tool call in reply: {data[:200]!r}")
-                return
+        return {"msgs": [dict(m) for m in spec["messages"]], "headers": headers, "t": 0}
+
+    async def chat_turn(conn: Conn, st: dict, record: bool = True) -> bool:
+        """One turn of a chat session; False when the session cannot go on."""
+        body = orjson.dumps({"model": spec["model"], "messages": st["msgs"], "tools": spec["tools"], "max_tokens": 512})
+        t0 = time.perf_counter()
+        status, data = await asyncio.wait_for(conn.post("/v1/chat/completions", body, st["headers"]), timeout)
+        dt = time.perf_counter() - t0
+        if status != 200:
+            errors.append(f"{status}: {data[:200]!r}")
+            return False
+        m = orjson.loads(data)["choices"][0]["message"]
+        calls = m.get("tool_calls") or []
+        if not calls:
+            errors.append(f"no tool call in reply: {data[:200]!r}")
+            return False
+        if record:
             lat.append(dt)
-            msgs.append({k: v for k, v in m.items() if v is not None})
-            msgs.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": f'{{"step": {t}, "ok": true}}'})
+        st["msgs"].append({k: v for k, v in m.items() if v is not None})
+        st["msgs"].append({"role": "tool", "tool_call_id": calls[0]["id"], "content": f'{{"step": {st["t"]}, "ok": true}}'})
+        st["t"] += 1
+        return True
+
+    async def chat_session(conn: Conn, name: str) -> None:
+        st = chat_start(name)
+        for _ in range(turns):
+            if time.perf_counter() > deadline or not await chat_turn(conn, st):
+                return
 
     async def generate_session(conn: Conn, name: str) -> None:
         ids = list(spec["prompt_ids"])
@@ -137,14 +149,50 @@ async def run(spec: dict) -> dict:
                 try:
                     await session(conn, f"{spec.get('tag', 'bench')}-{w}-{s}")
                     sessions += 1
-                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, KeyError) as e:
+                except FAILURES as e:
                     errors.append(f"{type(e).__name__}: {e}")
                     conn.close()
         finally:
             conn.close()
 
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    await asyncio.gather(*(worker(w) for w in range(c)))
+    if spec.get("warm_first"):  # first turns untimed, then wait for "go" on stdin (the caller reads CPU between)
+        conns = [Conn(host, port) for _ in range(c)]
+        states: list[list[dict]] = [[] for _ in range(c)]
+
+        async def first(w: int) -> None:
+            for s in range(spw):
+                st = chat_start(f"{spec.get('tag', 'bench')}-{w}-{s}")
+                try:
+                    if await chat_turn(conns[w], st, record=False):
+                        states[w].append(st)
+                except FAILURES as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    conns[w].close()
+
+        await asyncio.gather(*(first(w) for w in range(c)))
+        sys.stderr.write("READY\n")
+        sys.stderr.flush()
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        deadline = time.perf_counter() + spec["deadline_s"]
+
+        async def rest(w: int) -> None:
+            nonlocal sessions
+            for st in states[w]:
+                try:
+                    for _ in range(turns - 1):
+                        if time.perf_counter() > deadline or not await chat_turn(conns[w], st):
+                            break
+                    sessions += 1
+                except FAILURES as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    conns[w].close()
+            conns[w].close()
+
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(rest(w) for w in range(c)))
+    else:
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(worker(w) for w in range(c)))
     # CPU of the request loops only (not interpreter start-up), to show how much of the cores it took.
     return {"lat": lat, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "sessions": sessions,
             "errors": errors, "timed_out": time.perf_counter() > deadline}

@@ -47,6 +47,11 @@ def add_parser(sub) -> None:
     p.add_argument("--min-turns", type=int, default=300, help="turns per phase to aim for (sets sessions per worker)")
     p.add_argument("--phase-timeout", type=float, default=45.0, help="seconds after which a phase starts no new turns")
     p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (no install, no start)")
+    p.add_argument("--history", type=int, nargs="*", default=[], metavar="TOKENS",
+                   help="long-session phases: turns on top of this many tokens of history (e.g. 10000 100000), "
+                        "header-less so the history is matched, beside the same turns on a short history")
+    p.add_argument("--history-turns", type=int, default=8, help="turns per long session (the first, untimed, carries the history)")
+    p.add_argument("--history-sessions", type=int, default=3, help="long sessions per phase (one at a time)")
     p.add_argument("--profile", metavar="PREFIX",
                    help="sample Splice with py-spy during its phases: PREFIX-cC.txt (collapsed stacks) and the top frames printed")
     p.add_argument("--out")
@@ -210,6 +215,80 @@ def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, dea
     return st
 
 
+def _document(tok, n_tokens: int) -> str:
+    """About ``n_tokens`` tokens of varied prose and numbers (deterministic): a long tool result."""
+    import random
+
+    if n_tokens <= 0:
+        return ""
+    rng = random.Random(0)
+    words = ("the kernel returns a tensor when its input is ready and otherwise waits for the next batch of "
+             "requests from agents that call tools read files write patches run tests").split()  # fmt: skip
+    chunk = " ".join(rng.choice(words) if k % 7 else str(rng.randrange(10**6)) for k in range(2000))
+    per_word = len(tok.encode(chunk, add_special_tokens=False)) / 2000
+    text = " ".join(rng.choice(words) if k % 7 else str(rng.randrange(10**6)) for k in range(int(n_tokens / per_word)))
+    return text
+
+
+def _warm_phase(target: dict, spec: dict, tmp: str, timeout: float, profile: str | None = None) -> dict:
+    """A long-session phase: the load generator sends every session's first turn (the history),
+    waits, and the proxy's CPU and metrics are read around the turns after it only."""
+    import threading
+
+    path = os.path.join(tmp, "loadgen-warm.json")
+    with open(path, "w") as f:
+        json.dump({**spec, "warm_first": True}, f)
+    proc = subprocess.Popen([sys.executable, str(HERE / "loadgen.py"), path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    killer = threading.Timer(timeout, proc.kill)
+    killer.start()
+    try:
+        ready = proc.stderr.readline()
+        if ready.strip() != b"READY":
+            proc.kill()
+            return {"lat": [], "wall_s": 0.0, "cpu_s": 0.0, "sessions": 0, "errors": [(ready + proc.stderr.read()).decode(errors="replace")[-400:]]}
+        pid, murl = target["pid"], target["metrics_url"]
+        cpu0, m0 = _cpu_seconds(pid), _splice_metrics(murl)
+        spy = start_profile(pid, profile) if profile else None
+        out, err = proc.communicate(b"go\n")
+        if spy is not None:
+            stop_profile(spy)
+        cpu1, m1 = _cpu_seconds(pid), _splice_metrics(murl)
+    finally:
+        killer.cancel()
+    if proc.returncode:
+        return {"lat": [], "wall_s": 0.0, "cpu_s": 0.0, "sessions": 0, "errors": [err.decode(errors="replace")[-400:]]}
+    st = _stats(json.loads(out))
+    if st["turns"]:
+        st["cpu_ms_per_turn"] = (cpu1 - cpu0) / st["turns"] * 1e3
+        st["splice_ms_per_turn"] = {
+            k: ((m1.get(f"{k}_sum", 0) - m0.get(f"{k}_sum", 0)) / dn * 1e3)
+            if (dn := m1.get(f"{k}_count", 0) - m0.get(f"{k}_count", 0)) else None
+            for k in (*STAGES, "engine", "proxy")
+        }
+    return st
+
+
+def _history_phases(args, tok, base: dict, target: dict, tmp: str) -> list[dict]:
+    rows = []
+    for n in [0, *args.history]:
+        doc = _document(tok, n)
+        msgs = [dict(m) for m in base["messages"]]
+        if doc:
+            msgs[-1]["content"] = msgs[-1]["content"] + "\n\nThe file to work on:\n" + doc
+        spec = {**base, **target["spec"], "messages": msgs, "session_header": False, "c": 1, "turns": args.history_turns,
+                "sessions_per_worker": args.history_sessions, "deadline_s": args.phase_timeout, "tag": f"hist{n}-{time.time_ns()}"}
+        print(f"history {n:,} tokens: {args.history_sessions} session(s) x {args.history_turns} turns (first untimed) ...", flush=True)
+        prof = f"{args.profile}-h{n}.txt" if args.profile else None
+        st = _warm_phase(target, spec, tmp, timeout=args.phase_timeout + 600, profile=prof)
+        if prof:
+            print(top_frames(prof), flush=True)
+        st["history_tokens"] = n
+        st["history_tokens_measured"] = len(tok.encode(msgs[-1]["content"], add_special_tokens=False)) if doc else 0
+        rows.append(st)
+    return rows
+
+
 # ---------------------------------------------------------------- run
 
 
@@ -230,6 +309,7 @@ def run(args) -> dict:
     procs: list[subprocess.Popen] = []
     tmp = tempfile.mkdtemp(prefix="splice_bench_overhead_")
     runs: list[dict] = []
+    history: list[dict] = []
     litellm_note = "skipped (--no-litellm)"
     try:
         surl = start_standin(tmp, tok, out_ids, procs)
@@ -276,6 +356,7 @@ def run(args) -> dict:
                     s["added_ms"] = {"p50_vs_chat": s["p50_ms"] - ch["p50_ms"], "p99_vs_chat": s["p99_ms"] - ch["p99_ms"],
                                      "p50_vs_generate": s["p50_ms"] - gen["p50_ms"], "p99_vs_generate": s["p99_ms"] - gen["p99_ms"]}
             runs.append(row)
+        history = _history_phases(args, tok, base, targets[2], tmp) if args.history else []
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -286,12 +367,33 @@ def run(args) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
     _print(runs, targets, len(out_ids), litellm_note, _table)
-    return {"bench": "overhead", "output_tokens_per_turn": len(out_ids), "cpu_count": os.cpu_count(),
+    if history:
+        _print_history(history)
+    return {"bench": "overhead", "output_tokens_per_turn": len(out_ids), "cpu_count": os.cpu_count(), "history": history,
             "litellm": litellm_note, "targets": {t["key"]: t["label"] for t in targets}, "runs": runs,
             "method": "zero-latency stand-in; load generator, stand-in and each proxy in separate processes on one machine; "
                       "latency measured by the load generator; CPU from /proc utime+stime (+children) around each phase, "
                       f"in ticks of 1/{os.sysconf('SC_CLK_TCK')} s; "
                       "Splice stages from /metrics sum/count deltas per phase"}
+
+
+def _print_history(rows: list[dict]) -> None:
+    short = rows[0].get("cpu_ms_per_turn")
+    out = []
+    for r in rows:
+        if not r["turns"]:
+            out.append([f"{r['history_tokens']:,}", "failed", "", "", "", "", "", "", ""])
+            continue
+        b = r.get("splice_ms_per_turn") or {}
+        ratio = r["cpu_ms_per_turn"] / short if short else None
+        out.append([f"{r['history_tokens_measured']:,}", r["turns"], _f(r["p50_ms"]), _f(r["p99_ms"]), _f(r["cpu_ms_per_turn"]),
+                    _f(ratio), *(_f(b.get(k), "{:.3f}") for k in ("bridge", "parse", "commit"))])
+    print("\nLong sessions, C=1, header-less (the history is matched): each session's first turn carries the history "
+          "and is not timed; proxy CPU per later turn, against the short-history row.")
+    print(_table(["history tokens", "turns", "p50 ms", "p99 ms", "proxy CPU ms/turn", "x short", "bridge", "parse", "commit"], out))
+    for r in rows:
+        if r.get("n_errors"):
+            print(f"history {r['history_tokens']}: {r['n_errors']} errors; first: {r['errors'][0][:200]}")
 
 
 def _f(x, fmt: str = "{:.2f}") -> str:

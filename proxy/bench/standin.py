@@ -37,6 +37,8 @@ def make_app(spec: dict):
     stats = {"prefill_calls": 0, "prefill_tokens": 0, "turns": 0, "turns_with_input_logprobs": 0, "input_logprob_tokens": 0}
     prefill_tok_s = float(spec.get("prefill_tok_per_s") or 0)  # >0: a prefill-only call takes len/rate seconds
     info = orjson.dumps({"model_path": "/standin", "is_generation": True, "weight_version": "0"})
+    # SGLang's server arguments carry the context length (262,144: room for long-session phases)
+    server_info = orjson.dumps({"context_length": int(spec.get("context_length", 262_144)), "tp_size": 1})
     models = orjson.dumps({"object": "list", "data": [{"id": "standin", "object": "model", "owned_by": "bench"}]})
     ok = orjson.dumps({"success": True})
 
@@ -114,6 +116,8 @@ def make_app(spec: dict):
             data = ok
         elif path in ("/v1/models", "/models"):
             data = models
+        elif path in ("/server_info", "/get_server_info"):
+            data = server_info
         else:
             data = ok
         await send({"type": "http.response.start", "status": status,

@@ -3,8 +3,10 @@ turn's conversation have produced different prompt ids? Runs off the hot path, i
 
 A turn spliced onto a turn that drifted drifts too (the re-render repeats the earlier
 difference), so only sessions that have not drifted yet pay for a full render; ``sampled``
-mode renders turns 1, 2, 4, 8, ... of those (a render is a full render of the conversation:
-its cost over a session stays linear in the session's length).
+mode renders turns 1, 2, 4, 8, ... of those, within a budget: every spliced turn earns
+``TOKENS_PER_TURN`` tokens of re-rendering and a check spends its prompt's length, so the
+checks' CPU per turn stays bounded however long conversations grow (a 100k-token session's
+due turns are skipped until enough turns have paid for one).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from .turn import TurnRequest, TurnResult
 log = logging.getLogger("splice.drift")
 
 
+TOKENS_PER_TURN = 4096  # "sampled": re-rendered tokens each spliced turn pays for
+START_BUDGET = 1 << 16  # a fresh proxy checks its first long sessions at once
+MAX_BUDGET = 1 << 20
+
+
 class DriftChecker:
     def __init__(self, fmt: ChatFormat, store: Store, metrics: Metrics, mode: str):
         self.fmt = fmt
@@ -29,6 +36,8 @@ class DriftChecker:
         self.metrics = metrics
         self.mode = mode
         self._drifted = LRU(65536, sized=False)  # turn id -> a full re-render would differ
+        self._budget = START_BUDGET  # "sampled": tokens of re-rendering not yet spent
+        self.skipped = 0  # due checks skipped for the budget (a count for tests and benches)
 
     def due(self, index: int) -> bool:
         if self.mode == "all":
@@ -44,10 +53,17 @@ class DriftChecker:
 
     async def check(self, req: TurnRequest, result: TurnResult, parent_turn_id: str | None, *, recorded: bool = False) -> None:
         """``recorded``: the turn was committed with ``drift`` set (:meth:`inherited`)."""
+        if self.mode == "sampled":
+            self._budget = min(MAX_BUDGET, self._budget + TOKENS_PER_TURN)
         drifted = self._drifted.get(parent_turn_id) if parent_turn_id else None
         if drifted is None:
             if not self.due(result.index):
                 return
+            if self.mode == "sampled":
+                if len(result.prompt_ids) > self._budget:
+                    self.skipped += 1
+                    return
+                self._budget -= len(result.prompt_ids)
             try:
                 full = await asyncio.to_thread(
                     self.fmt.render, req.messages, req.tools, template_kwargs=req.chat_template_kwargs

@@ -67,3 +67,40 @@ def test_spliced_turns_record_the_drift_the_template_would_have_caused(tmp_path)
     assert [t.drift for t in turns] == expected
     assert drift_metric == sum(expected)
     assert [w[0] for w in writes] == [turns[1].turn_id]  # turns 2 and 3 were committed with it: no second write
+
+
+def test_sampled_checks_spend_a_token_budget_so_long_sessions_stay_cheap():
+    """Each spliced turn earns TOKENS_PER_TURN tokens of re-rendering; a due check spends its
+    prompt's length. A 100k-token session is checked as often as the budget allows, not at
+    every power of two."""
+    from types import SimpleNamespace
+
+    from proxy.session import drift as d
+
+    rendered = []
+
+    class Fmt:
+        def render(self, messages, tools, template_kwargs=None):
+            rendered.append(len(messages))
+            return list(messages)  # the prompt below equals it: no drift
+
+    class Metrics:
+        drift = SimpleNamespace(inc=lambda: None)
+
+    checker = d.DriftChecker(Fmt(), store=None, metrics=Metrics(), mode="sampled")
+
+    def turn(i: int, n: int):
+        ids = list(range(n))
+        req = SimpleNamespace(messages=ids, tools=None, chat_template_kwargs=None)
+        return req, SimpleNamespace(index=i, prompt_ids=ids, turn_id=f"t{n}-{i}")
+
+    async def session(n: int, turns: int):
+        for i in range(1, turns):
+            await checker.check(*turn(i, n), parent_turn_id=None)
+
+    asyncio.run(session(300, 9))  # short turns: every due turn (1, 2, 4, 8) is checked
+    assert rendered == [300] * 4 and checker.skipped == 0
+    rendered.clear()
+    asyncio.run(session(100_000, 65))  # 64 spliced turns earn 262,144 tokens: at most 2 checks of 100k, plus the start
+    assert 1 <= len(rendered) <= (d.START_BUDGET + 64 * d.TOKENS_PER_TURN) // 100_000
+    assert checker.skipped == 7 - len(rendered)  # due: 1, 2, 4, 8, 16, 32, 64
