@@ -24,8 +24,8 @@ from .turn import TurnRequest, TurnResult
 log = logging.getLogger("splice.drift")
 
 
-TOKENS_PER_TURN = 4096  # "sampled": re-rendered tokens each spliced turn pays for
-START_BUDGET = 1 << 16  # a fresh proxy checks its first long sessions at once
+TOKENS_PER_TURN = 256  # "sampled": re-rendered tokens each spliced turn pays for (a short session uses ~150)
+START_BUDGET = 1 << 15  # a fresh proxy checks its first long session at once
 MAX_BUDGET = 1 << 20
 
 
