@@ -5,8 +5,8 @@ A turn spliced onto a turn that drifted drifts too (the re-render repeats the ea
 difference), so only sessions that have not drifted yet pay for a full render; ``sampled``
 mode renders turns 1, 2, 4, 8, ... of those, within a budget: every spliced turn earns
 ``TOKENS_PER_TURN`` tokens of re-rendering and a check spends its prompt's length, so the
-checks' CPU per turn stays bounded however long conversations grow (a 100k-token session's
-due turns are skipped until enough turns have paid for one).
+checks' CPU per turn stays bounded however long conversations grow. The budget saves up at
+most ``MAX_BUDGET`` tokens, so prompts longer than that are only checked under ``all``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ log = logging.getLogger("splice.drift")
 
 TOKENS_PER_TURN = 256  # "sampled": re-rendered tokens each spliced turn pays for (a short session uses ~150)
 START_BUDGET = 1 << 15  # a fresh proxy checks its first long session at once
-MAX_BUDGET = 1 << 20
+MAX_BUDGET = 1 << 16  # what a quiet spell can save up: prompts longer than this are checked only under "all"
 
 
 class DriftChecker:
