@@ -1,0 +1,22 @@
+"""``splice bench overhead --profile`` reads py-spy's collapsed stacks: waiting threads are not
+counted as work, and a frame's inclusive share counts each sample once."""
+
+from proxy.bench.profile import summarize, top_frames
+
+STACKS = """\
+MainThread;<module> (<string>:1);run (asyncio/runners.py:118) 50
+MainThread;<module> (<string>:1);run (asyncio/runners.py:118);run (proxy/session/runner.py:187);add (proxy/store/turns.py:142) 30
+MainThread;<module> (<string>:1);run (asyncio/runners.py:118);run (proxy/session/runner.py:161);plan (proxy/session/planner.py:156) 10
+Thread-1;_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:81) 40
+Thread-1;_bootstrap (threading.py:1002);_worker (concurrent/futures/thread.py:83);run (concurrent/futures/thread.py:58);set_drift (proxy/store/turns.py:193) 10
+"""
+
+
+def test_idle_samples_are_dropped_and_shares_add_up(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text(STACKS)
+    total, incl, own = summarize(str(path))
+    assert total == 50  # the loop inside uvloop and the idle pool thread are waiting, not working
+    assert incl["runner.py:run"] == 40 and own["turns.py:add"] == 30 and own["turns.py:set_drift"] == 10
+    text = top_frames(str(path))
+    assert "50 busy samples" in text and "turns.py:add" in text
