@@ -51,7 +51,7 @@ def make_router(state: EngineState, groups: WeightGroups) -> APIRouter:
             return error_response(f"missing field(s) {missing}", 422)
         cancelled = threading.Event()  # the caller hung up: stop trying to reach the trainer
         gone = asyncio.create_task(wait_disconnect(request))
-        gone.add_done_callback(lambda t: t.cancelled() or cancelled.set())
+        gone.add_done_callback(lambda t: t.cancelled() or (t.exception(), cancelled.set()))  # a failed receive: gone too
         try:
             await asyncio.to_thread(
                 groups.join,

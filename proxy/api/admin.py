@@ -17,7 +17,7 @@ from ..metrics import Metrics
 from ..session import RecomputeScheduler
 from ..store import Store
 from .jsonio import JSONResponse, body_schema, read_model
-from .streaming import watch_client
+from .streaming import disconnected, watch_client
 from .models import MAX_INT32, UpdateWeightsBody, VersionBody, _Body
 
 log = logging.getLogger("splice.admin")
@@ -88,14 +88,6 @@ async def _engine(coro):
 
 class _ClientGone(Exception):
     """The caller of a pause disconnected (gave up) before it took effect."""
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns once the client has gone (the body, if any, is read first)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def _unless_gone(task: asyncio.Future, gone: asyncio.Task):
@@ -178,7 +170,7 @@ def admin_router(store: Store, pool, recompute: RecomputeScheduler, metrics: Met
     @r.post("/admin/pause")
     async def pause(request: Request):
         epoch = guard.resumes
-        gone = asyncio.create_task(_disconnect(request))
+        gone = asyncio.create_task(disconnected(request))
         try:
             # R2's deadline: owed values are settled first, waiting at most --recompute-deadline-s;
             # what is not done then is counted missing and the pause goes ahead (never blocked).

@@ -104,7 +104,7 @@ class ClientGone(APIError):
         super().__init__(499, "the client closed the request before the answer was sent", code="client_closed_request")
 
 
-async def _disconnected(request) -> None:
+async def disconnected(request) -> None:
     """Returns once the client has disconnected (the body was read already)."""
     while True:
         message = await request.receive()
@@ -117,7 +117,7 @@ async def watch_client(request, task: asyncio.Task):
     raise ``ClientGone``. Without a request (unit tests), just await the task."""
     if request is None:
         return await task
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:

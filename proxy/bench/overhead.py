@@ -100,6 +100,15 @@ def _splice_metrics(url: str) -> dict[str, float]:
     return out
 
 
+def _stage_ms(m0: dict[str, float], m1: dict[str, float]) -> dict[str, float | None]:
+    """Mean ms per observation of each Splice stage between two ``/metrics`` reads."""
+    return {
+        k: ((m1.get(f"{k}_sum", 0) - m0.get(f"{k}_sum", 0)) / dn * 1e3)
+        if (dn := m1.get(f"{k}_count", 0) - m0.get(f"{k}_count", 0)) else None
+        for k in (*STAGES, "engine", "proxy")
+    }
+
+
 def _litellm_start(tmp: str, upstream: str, key: str, procs: list) -> tuple[str | None, subprocess.Popen | None, str]:
     """(url, process, note). Installs LiteLLM into its own venv on first use; url is None when it cannot run."""
     exe = LITELLM_VENV / "bin" / "litellm"
@@ -207,11 +216,7 @@ def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, dea
         st["cpu_s"] = cpu1 - cpu0
         st["cpu_ms_per_turn"] = (cpu1 - cpu0) / st["turns"] * 1e3
     if murl and st["turns"]:
-        st["splice_ms_per_turn"] = {
-            k: ((m1.get(f"{k}_sum", 0) - m0.get(f"{k}_sum", 0)) / dn * 1e3)
-            if (dn := m1.get(f"{k}_count", 0) - m0.get(f"{k}_count", 0)) else None
-            for k in (*STAGES, "engine", "proxy")
-        }
+        st["splice_ms_per_turn"] = _stage_ms(m0, m1)
     return st
 
 
@@ -261,11 +266,7 @@ def _warm_phase(target: dict, spec: dict, tmp: str, timeout: float, profile: str
     st = _stats(json.loads(out))
     if st["turns"]:
         st["cpu_ms_per_turn"] = (cpu1 - cpu0) / st["turns"] * 1e3
-        st["splice_ms_per_turn"] = {
-            k: ((m1.get(f"{k}_sum", 0) - m0.get(f"{k}_sum", 0)) / dn * 1e3)
-            if (dn := m1.get(f"{k}_count", 0) - m0.get(f"{k}_count", 0)) else None
-            for k in (*STAGES, "engine", "proxy")
-        }
+        st["splice_ms_per_turn"] = _stage_ms(m0, m1)
     return st
 
 
