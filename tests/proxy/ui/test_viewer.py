@@ -211,18 +211,27 @@ def test_one_session_shows_its_tree_text_image_and_coloured_strip(signed_in, rec
     assert (ARTIFACTS / "viewer-session.png").stat().st_size > 10_000
 
 
+_NOW_SNAPSHOT = """
+const cells = (sel) => [...document.querySelectorAll(sel)].map((tr) => [...tr.cells].map((td) => td.textContent.trim()));
+const facts = Object.fromEntries([...document.querySelectorAll('dd[data-fact]')].map((d) => [d.dataset.fact, d.textContent.trim()]));
+return {facts, engines: cells('#engines tbody tr'), updates: cells('#updates tbody tr')};
+"""
+
+
 def test_the_now_page_shows_engines_versions_and_the_weight_update(signed_in, recorded):
     driver, proxy = signed_in, recorded["proxy"]
     status = httpx.get(f"{proxy.url}/admin/status", headers=AUTH, timeout=30).json()
     _open(driver, proxy, "/now")
-    fact = lambda k: driver.find_element(By.CSS_SELECTOR, f'dd[data-fact="{k}"]').text  # noqa: E731
-    assert fact("version") == f"v{status['version']}" == "v1"
-    assert fact("paused") == "no"
-    assert fact("owed recomputes (turns)") == str(status["owed_recompute_turns"])
-    rows = driver.find_elements(By.CSS_SELECTOR, "#engines tbody tr")
+    # The page redraws every 2 s: read it in one script so no element goes stale between reads.
+    now = driver.execute_script(_NOW_SNAPSHOT)
+    fact = now["facts"]
+    assert fact["version"] == f"v{status['version']}" == "v1"
+    assert fact["paused"] == "no"
+    assert fact["owed recomputes (turns)"] == str(status["owed_recompute_turns"])
+    rows = now["engines"]
     assert len(rows) == len(status["engines"]["engine_replicas"]) == 1
-    assert rows[0].find_elements(By.TAG_NAME, "td")[3].text == "v1"
-    calls = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")] for tr in driver.find_elements(By.CSS_SELECTOR, "#updates tbody tr")]
+    assert rows[0][3] == "v1"
+    calls = now["updates"]
     kinds = [c[0] for c in calls]
     assert kinds[:3] == ["resume", "update_weights", "pause"]  # newest first
     update = calls[1]
