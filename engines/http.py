@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import httpx
+import numpy as np
 import orjson
 
 from engines.types import (
@@ -97,10 +98,17 @@ def _timeout(total_s: float) -> httpx.Timeout:
 
 
 def token_list(ids) -> Any:
-    """Token ids as a request body takes them: a list of ints is sent as it is (no per-token
-    copy: a long session's prompt is 100k of them), anything else becomes one (numpy arrays
-    and numpy ints serialise natively, ``OPT_SERIALIZE_NUMPY``)."""
-    return ids if type(ids) is list else [int(t) for t in ids]
+    """Token ids as a request body takes them, with no per-token copy (a long session's prompt
+    is 100k of them): a list of ints or a numpy integer array is sent as it is (orjson writes
+    arrays natively, ``OPT_SERIALIZE_NUMPY``); anything else becomes a list of ints."""
+    if type(ids) is list or (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind == "i"):
+        return ids
+    return [int(t) for t in ids]
+
+
+def id_list(ids) -> list[int]:
+    """Token ids as a list of Python ints (``tolist`` for a numpy array: one C pass)."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
 
 def clean_logprob(value: Any) -> float:

@@ -73,7 +73,7 @@ class GenerationMixin:
             raise EngineUnavailable("the engine pool is closed")
         if self._info.context_length is not None:
             params = replace(params, max_new_tokens=self.max_new_tokens(len(input_ids), params.max_new_tokens))
-        stitch = Stitcher(list(input_ids), params, prompt_logprobs_from=prompt_logprobs_from, images=tuple(images))
+        stitch = Stitcher(input_ids, params, prompt_logprobs_from=prompt_logprobs_from, images=tuple(images))
         delivered = 0
 
         async def counting(ids: list[int], logprobs: list[float]) -> None:

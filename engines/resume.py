@@ -18,6 +18,9 @@ Pure bookkeeping, no I/O, so every alignment rule is testable on its own:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
 
 from engines.types import EngineImage, Generation, SamplingParams, Segment
 
@@ -58,7 +61,7 @@ def token_versions(seg: Segment, fallback: int) -> tuple[list[int], int]:
 class Stitcher:
     """Accumulates one request's segments; tells the caller what to send next."""
 
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]  # a list or an int32 array (a spliced prompt); never mutated
     params: SamplingParams
     gen: Generation = field(default_factory=lambda: Generation(segments=0))
     # R2 on the next turn: the first segment also asks for the prompt's input logprobs from here
@@ -74,8 +77,15 @@ class Stitcher:
     def remaining(self) -> int:
         return self.params.max_new_tokens - self.generated
 
-    def next_input_ids(self) -> list[int]:
-        return self.prompt_ids + self.gen.output_ids
+    def next_input_ids(self) -> Sequence[int]:
+        """The prompt (as given: a list or an int32 array, not copied) followed by what was
+        generated so far."""
+        out = self.gen.output_ids
+        if not out:
+            return self.prompt_ids
+        if isinstance(self.prompt_ids, np.ndarray):
+            return np.concatenate((self.prompt_ids, np.asarray(out, dtype=self.prompt_ids.dtype)))
+        return list(self.prompt_ids) + out
 
     def next_images(self) -> tuple[EngineImage, ...]:
         """The images the next call carries: all of the prompt's, at unchanged offsets (the

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from engines.http import clean_logprob, expect_dict, token_list, weight_version_spans
+from engines.http import clean_logprob, expect_dict, id_list, token_list, weight_version_spans
 from engines.images import check_spans, collapse, data_url, stop_and_ban
 from engines.types import EngineBadResponse, EngineImage, FinishReason, SamplingParams, Segment
 from engines.vllm_worker import QUALNAME as EXTENSION_QUALNAME
@@ -228,7 +228,7 @@ def parse_completion(body: Any, input_ids: list[int], *, echo: bool, replica: st
     n_prompt = len(input_ids)
     prompt_lps: list[float | None] = []
     if echo and len(ids) >= n_prompt:
-        if ids[:n_prompt] != list(input_ids):
+        if ids[:n_prompt] != id_list(input_ids):
             raise EngineBadResponse(f"{replica}: echoed prompt differs from the prompt sent", replica=replica)
         prompt_lps = [None if (j == 0 and v is None) else clean_logprob(v) for j, v in enumerate(values[:n_prompt])]
         ids, values = ids[n_prompt:], values[n_prompt:]

@@ -36,7 +36,7 @@ from typing import Any
 
 import json
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Sequence
 
 from renderers.base import should_rerender_for_thinking_retention
 
@@ -71,13 +71,19 @@ def precheck(new_messages: list[Message]) -> str | None:
     return None
 
 
-def _prompt_tail(prompt_ids: list[int], close_ids: set[int], limit: int = 4096) -> list[int]:
-    """The prompt from its last turn close on: all a renderer's bridge reads of it."""
-    stop = max(0, len(prompt_ids) - limit)
-    for i in range(len(prompt_ids) - 1, stop - 1, -1):
-        if prompt_ids[i] in close_ids:
-            return prompt_ids[i:]
-    return prompt_ids[stop:]
+def as_list(ids: Sequence[int]) -> list[int]:
+    """Token ids as a list of ints: a numpy array (a spliced prompt) goes through ``tolist``."""
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
+def prompt_tail(prompt_ids: Sequence[int], close_ids: set[int] | frozenset[int], limit: int = 4096) -> list[int]:
+    """The prompt from its last turn close on (at most ``limit`` ids), as a list: all a
+    renderer's bridge or parser reads of it. Costs the tail, not the prompt."""
+    window = as_list(prompt_ids[max(0, len(prompt_ids) - limit) :])
+    for i in range(len(window) - 1, -1, -1):
+        if window[i] in close_ids:
+            return window[i:]
+    return window
 
 
 class RendererBridge:
@@ -140,7 +146,7 @@ class RendererBridge:
             return self.fallback.bridge(
                 prev_prompt_ids, prev_output_ids, new_messages, tools=tools, history=history, template_kwargs=kwargs
             )
-        tail = _prompt_tail(prev_prompt_ids, self._close_ids)
+        tail = prompt_tail(prev_prompt_ids, self._close_ids)
         try:
             out = renderer.bridge_to_next_turn(tail, list(prev_output_ids), msgs, tools=to_renderer_tools(tools))
         except Exception as exc:  # a renderer bug must not take the request down: fork instead

@@ -21,12 +21,12 @@ merged over them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from renderers import create_renderer
 from renderers.configs import DefaultRendererConfig
 
-from .bridge import BridgeResult, GenericBridge, RendererBridge, RendererCache
+from .bridge import BridgeResult, GenericBridge, RendererBridge, RendererCache, as_list
 from .conversation import Message, Tool, message_images, to_renderer_messages, to_renderer_tools, to_template_tools
 from .fast_tokenizer import FastTokenizer
 from .incremental import IncrementalDecoder, generation_starts_in_reasoning, reasoning_token_count, token_bytes
@@ -213,8 +213,8 @@ class ChatFormat:
 
     def bridge(
         self,
-        prev_prompt_ids: list[int],
-        prev_output_ids: list[int],
+        prev_prompt_ids: Sequence[int],
+        prev_output_ids: Sequence[int],
         new_messages: list[Message],
         *,
         tools: list[Tool] | None = None,
@@ -233,8 +233,8 @@ class ChatFormat:
         if message_images(new_messages):
             self.check_images()
         return self._bridge.bridge(
-            prev_prompt_ids,
-            prev_output_ids,
+            prev_prompt_ids,  # a list or an int32 array: the bridges read its tail only
+            as_list(prev_output_ids),
             new_messages,
             tools=tools,
             history=history,
@@ -245,7 +245,7 @@ class ChatFormat:
         self,
         output_ids: list[int],
         *,
-        prompt_ids: list[int] | None = None,
+        prompt_ids: Sequence[int] | None = None,
         tools: list[Tool] | None = None,
         finish_reason: str = "stop",
         stop_text: str | None = None,
@@ -256,7 +256,7 @@ class ChatFormat:
         ``tools``: the tools the request offered; a call naming any other tool (any call when
         the list is empty) comes back as text, flagged ``undeclared_tool``. None: not checked.
         """
-        tail = prompt_ids[-64:] if prompt_ids else None  # the parser reads only the assistant header
+        tail = as_list(prompt_ids[-64:]) if prompt_ids is not None and len(prompt_ids) else None  # the assistant header
         declared = None if tools is None else frozenset(t.name for t in tools)
         return parse_output(
             self.renderer, output_ids, prompt_ids=tail, tools=to_renderer_tools(tools), finish_reason=finish_reason,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import numpy as np
+
 from tokenization import ChatFormat
 
 from ..metrics import Metrics
@@ -70,7 +72,7 @@ class DriftChecker:
                 )
             except Exception:  # noqa: BLE001 - a template that cannot re-render counts as no drift
                 return
-            drifted = list(full) != result.prompt_ids
+            drifted = not np.array_equal(np.asarray(full, dtype=np.int64), np.asarray(result.prompt_ids, dtype=np.int64))
         self._drifted.put(result.turn_id, drifted)
         if drifted:
             self.metrics.drift.inc()

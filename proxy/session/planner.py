@@ -41,7 +41,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+import numpy as np
+
 from tokenization import ChatFormat, Message
+from tokenization.bridge import as_list
 from tokenization.conversation import HistoryHash, tools_fingerprint
 from tokenization.vision import ImageError
 
@@ -63,8 +66,8 @@ class TurnLookup(Protocol):
     def candidates(self, fingerprint: bytes) -> Sequence[Candidate]:
         """Recorded turns whose answer a history with this fingerprint ends with, most recent first."""
 
-    def turn_ids(self, turn_id: str) -> tuple[list[int], list[int]] | None:
-        """(prompt ids, output ids) of a recorded turn."""
+    def turn_ids(self, turn_id: str) -> tuple[Sequence[int], Sequence[int]] | None:
+        """(prompt ids, output ids) of a recorded turn (int32 arrays from the store)."""
 
     def session_of(self, turn_id: str) -> str | None: ...
 
@@ -85,7 +88,7 @@ class Plan:
     """How a turn's prompt was built."""
 
     session_id: str
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray  # int32; a spliced prompt is the parent's ids plus the bridge, never re-listed
     parent_turn_id: str | None
     spliced: bool
     fork_reason: str | None
@@ -155,6 +158,8 @@ def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat) -> Plan:
     hh = HistoryHash(edits=keeps_edits(req)).extend(req.messages[: last_asst + 1])
     p = _plan(req, lookup, fmt, last_asst, hh)
     p.history_hash, p.hashed = hh, last_asst + 1
+    if not isinstance(p.prompt_ids, np.ndarray):  # a full render (its cost dwarfs this pass)
+        p.prompt_ids = np.asarray(p.prompt_ids, dtype=np.int32)
     return p
 
 
@@ -232,7 +237,8 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
     if spec is not None:  # the parent's images stay where they are; the new messages' follow
         base = len(prev_prompt) + len(prev_output)
         images = lookup.turn_images(found.turn_id) + _place(res.ids, msgs[last_asst + 1 :], spec, base=base)
-    return Plan(session_id, prev_prompt + prev_output + res.ids, found.turn_id, True, None, ambiguous=ambiguous,
+    prompt = np.concatenate((np.asarray(prev_prompt, np.int32), np.asarray(prev_output, np.int32), np.asarray(res.ids, np.int32)))
+    return Plan(session_id, prompt, found.turn_id, True, None, ambiguous=ambiguous,
                 bridge_s=bridge_s, history_edits=edits, images=images)  # fmt: skip
 
 
@@ -245,6 +251,7 @@ def _restart(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, fork) -> Pla
         summary = lookup.latest_summary(session)
     p = fork(session, summary, None)
     if summary is not None and (ids := lookup.turn_ids(summary)) is not None:
+        ids = (as_list(ids[0]), as_list(ids[1]))
         carried = False
         if not p.images:  # image offsets were placed on the rendered ids; leave those prompts as rendered
             p.prompt_ids, carried = carry_summary(fmt, p.prompt_ids, *ids)

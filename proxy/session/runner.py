@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 
@@ -27,6 +28,7 @@ from .sampling import SamplingPolicy
 from .turn import TokensCallback, TurnRequest, TurnResult
 
 log = logging.getLogger("splice.session")
+_redacted = functools.lru_cache(maxsize=256)(redact_url)  # a replica's url, once: not per turn
 
 _RESPONSE_IDS = {"responses": response_id, "chat": chat_completion_id, "messages": message_id}
 
@@ -339,7 +341,7 @@ class TurnRunner:
             self.store.images.remember(new_images)
 
     def _record_sampling(self, req: TurnRequest, gen: Generation) -> dict:
-        rec = {**self.sampling.record(req), "model": self.model_name, "engine_id": redact_url(gen.replica) or None}
+        rec = {**self.sampling.record(req), "model": self.model_name, "engine_id": _redacted(gen.replica) or None}
         if self.banned_ids and not set(self.banned_ids).isdisjoint(gen.output_ids):
             # The engine sampled a token it was told never to: not the distribution the trainer
             # scores, so the turn (and its sample) is not trained on.

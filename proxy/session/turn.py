@@ -11,7 +11,7 @@ and is committed in the same transaction as the turn. Streaming front ends pass
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from engines.client import TokensCallback
 from engines.types import Generation
@@ -66,7 +66,7 @@ class TurnResult:
     turn_id: str  # also the id stem for output items
     session_id: str
     response_id: str  # resp_... (Responses), chatcmpl-... (Chat), msg_... (Messages)
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]  # the plan's int32 array
     generation: Generation
     parsed: ParsedOutput
     spliced: bool

@@ -44,7 +44,7 @@ class TurnRecord:
     session_id: str
     index: int  # position of the turn in its session, 0-based
     parent_turn_id: str | None  # the turn this one continues (spliced onto or forked from)
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # (a turn being committed may carry its plan's int32 array instead)
     output_ids: list[int]
     output_logprobs: list[float]  # behaviour logprob of each output token
     versions: list[int]  # policy version that sampled each output token
@@ -65,7 +65,8 @@ class TurnRecord:
     @property
     def full_ids(self) -> list[int]:
         """Prompt followed by output: the token list a later spliced turn's prompt starts with."""
-        return self.prompt_ids + self.output_ids
+        prompt = self.prompt_ids
+        return (prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)) + list(self.output_ids)
 
     def check(self) -> None:
         """Raise ``ValueError`` if the per-token arrays disagree in length or hold non-finite logprobs."""

@@ -108,12 +108,17 @@ class TurnTable:
         Returns the turn as stored.
         """
         out = np.asarray(turn.output_ids, dtype=np.int64)
-        prompt = np.asarray(turn.prompt_ids, dtype=np.int64)
         versions = np.asarray(turn.versions, dtype=np.int64)
         prox_versions = np.asarray(turn.proximal_versions, dtype=np.int64)
-        if not fits_i32(np.concatenate((out, prompt, versions, prox_versions))):
+        if isinstance(turn.prompt_ids, np.ndarray) and turn.prompt_ids.dtype == I32:
+            prompt = turn.prompt_ids  # a spliced prompt arrives as int32 already: no per-token pass
+            small = np.concatenate((out, versions, prox_versions))
+        else:
+            prompt = np.asarray(turn.prompt_ids, dtype=np.int64)
+            small = np.concatenate((out, prompt, versions, prox_versions))
+        if not fits_i32(small):
             raise ValueError(f"turn {turn.turn_id}: ids and versions must fit in int32")
-        prompt, versions, prox_versions = prompt.astype(I32), versions.astype(I32), prox_versions.astype(I32)
+        prompt, versions, prox_versions = prompt.astype(I32, copy=False), versions.astype(I32), prox_versions.astype(I32)
         logprobs = np.asarray(turn.output_logprobs, dtype=F32)
         prox = np.asarray(turn.proximal_logprobs_t, dtype=F32)
         sampling = orjson.dumps(turn.requested_sampling or {}, option=orjson.OPT_SORT_KEYS)
@@ -310,14 +315,16 @@ class TurnTable:
             row = c.execute("SELECT session_id FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
             return None if row is None else row[0]
 
-    def ids(self, turn_id: str) -> tuple[list[int], list[int]] | None:
-        """(prompt ids, output ids) of a turn: what the next spliced turn builds on."""
+    def ids(self, turn_id: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """(prompt ids, output ids) of a turn: what the next spliced turn builds on. Read-only
+        int32 views of the cached sequence: no per-token copy, however long the session."""
         with self.db.read() as c:
             row = c.execute("SELECT seq, n_prompt FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
             if row is None:
                 return None
-            full = self._full_sequence(c, row[0])
-            return full[: row[1]].tolist(), full[row[1] :].tolist()
+            full = self._full_sequence(c, row[0]).view()
+            full.flags.writeable = False
+            return full[: row[1]], full[row[1] :]
 
     def first_of_role(self, session_id: str, role: str) -> tuple[str, dict] | None:
         """``(turn_id, requested_sampling)`` of the session's first turn of ``role``: what

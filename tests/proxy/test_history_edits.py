@@ -136,6 +136,6 @@ def test_planner_keep_policy():
               Message("tool", "x", tool_call_id="c1")]  # fmt: skip
     p1 = plan(TurnRequest(api="chat", messages=edited, turn_id="t1", session_id="s", history_edits_policy="keep"), lookup, fmt)
     assert p1.spliced and p1.history_edits == ("system_text", "tool_arguments")
-    assert p1.prompt_ids[: len(p0.prompt_ids) + len(out)] == p0.prompt_ids + out
+    assert p1.prompt_ids[: len(p0.prompt_ids) + len(out)].tolist() == p0.prompt_ids.tolist() + out
     p2 = plan(TurnRequest(api="chat", messages=edited, turn_id="t2", session_id="s", history_edits_policy="fork"), lookup, fmt)
     assert not p2.spliced and p2.fork_reason == "history_edited"

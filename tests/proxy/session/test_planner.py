@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from proxy.session.planner import answer_fingerprints, plan
@@ -80,7 +81,7 @@ def _first_turn(fmt, lookup, *, session=None, tools=(), kwargs=None, turn_id="t0
 def test_first_turn_is_a_full_render_without_a_reason(fmt):
     p = plan(_req([USER]), MemoryLookup(), fmt)
     assert not p.spliced and p.fork_reason is None and p.parent_turn_id is None and p.new_session
-    assert p.prompt_ids == fmt.render([USER])
+    assert p.prompt_ids.dtype == np.int32 and p.prompt_ids.tolist() == fmt.render([USER])
 
 
 def test_continuation_is_spliced_from_the_recorded_ids(fmt):
@@ -89,7 +90,8 @@ def test_continuation_is_spliced_from_the_recorded_ids(fmt):
     p1 = plan(_req([USER, ANSWER, Message("user", "Sure?")]), lookup, fmt)
     assert p1.spliced and p1.fork_reason is None and p1.parent_turn_id == "t0"
     assert p1.session_id == p0.session_id
-    assert p1.prompt_ids[: len(p0.prompt_ids) + len(out0)] == p0.prompt_ids + out0
+    assert p1.prompt_ids.dtype == np.int32
+    assert p1.prompt_ids[: len(p0.prompt_ids) + len(out0)].tolist() == p0.prompt_ids.tolist() + out0
 
 
 def test_unknown_parent(fmt):

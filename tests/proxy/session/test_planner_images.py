@@ -89,16 +89,16 @@ def test_four_turns_with_a_new_screenshot_each_stay_spliced_and_placed(fmt, refe
         p = plan(req, lookup, fmt)
         want_ids, grids = reference(tpl_msgs, pils)
         if k == 0:
-            assert not p.spliced and p.prompt_ids == want_ids  # the processor's own ids
+            assert not p.spliced and p.prompt_ids.tolist() == want_ids  # the processor's own ids
         else:
             assert p.spliced and p.fork_reason is None
             # the spliced prompt is the full render with the history as sampled (same text here)
-            assert p.prompt_ids == want_ids
+            assert p.prompt_ids.tolist() == want_ids
         assert [r.grid_thw for r in p.images] == grids and len(p.images) == k + 1
         for r, info in zip(p.images, (m.images[0] for m in msgs if m.role == "user")):
             assert r.hash == info.hash
             assert p.prompt_ids[r.offset - 1] == VISION_START_ID
-            assert p.prompt_ids[r.offset : r.offset + r.length] == [IMAGE_PAD_ID] * r.length
+            assert p.prompt_ids[r.offset : r.offset + r.length].tolist() == [IMAGE_PAD_ID] * r.length
             assert r.length == int(np.prod(r.grid_thw)) // 4  # merge size 2
         answer = f"Step {k}."
         out = fmt.tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)
@@ -114,8 +114,8 @@ def test_typed_placeholder_text_stays_text_and_is_not_an_image(fmt):
     info = ImageCache().decode(data, fmt.vision)
     req = _req([Message.from_parts("user", ["a literal <|image_pad|> and <|vision_start|>", info])])
     p = plan(req, ImageLookup(), fmt)
-    assert len(p.images) == 1 and p.prompt_ids.count(VISION_START_ID) == 1
-    assert p.prompt_ids.count(IMAGE_PAD_ID) == p.images[0].length
+    assert len(p.images) == 1 and p.prompt_ids.tolist().count(VISION_START_ID) == 1
+    assert p.prompt_ids.tolist().count(IMAGE_PAD_ID) == p.images[0].length
 
 
 def test_a_template_that_drops_images_is_a_render_error(fmt, folder):

@@ -63,7 +63,7 @@ def test_keep_covers_tool_definition_edits(fmt):
     added = Tool("Read", "Read a file.", {"type": "object", "properties": {"path": {"type": "string"}}})
     for tools in ([edited], [BASH, added], []):  # description edited, a tool added, all removed
         p = plan(TurnRequest(api="chat", messages=later, tools=tools, turn_id="t1", session_id="s", history_edits_policy="keep"), lookup, fmt)
-        assert p.spliced and p.history_edits == ("tools",) and p.prompt_ids[: len(p0.prompt_ids) + len(out)] == p0.prompt_ids + out
+        assert p.spliced and p.history_edits == ("tools",) and p.prompt_ids[: len(p0.prompt_ids) + len(out)].tolist() == p0.prompt_ids.tolist() + out
     sys2 = [Message("system", "You are the agent, v2.")] + later[1:]
     p = plan(TurnRequest(api="chat", messages=sys2, tools=[edited], turn_id="t2", session_id="s", history_edits_policy="keep"), lookup, fmt)
     assert p.spliced and p.history_edits == ("system_text", "tools")
