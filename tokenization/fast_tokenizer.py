@@ -9,10 +9,13 @@ plain ``Tokenizer`` protocol only (no ``__call__``), so renderers take their one
 
 from __future__ import annotations
 
+import re
+from array import array
 from typing import Any
 
 MEMO_MAX_CHARS = 64  # strings this short recur: role headers, think / tool-call markers, "\n"
 MEMO_ENTRIES = 4096
+SEGMENT_MEMO_CHARS = 2_000_000  # longer text between control tokens: system prompts and tool lists recur
 
 _PROBES = (
     "hello world", "Hello.\n\n", '{"a": false}', "e\u0301 caf\u00e9 \u4f60\u597d \U0001f600",
@@ -37,6 +40,12 @@ class FastTokenizer:
         # reasoning scan encodes "<think>"); a call into the Rust backend costs microseconds,
         # a dict hit a fraction of one. Bounded: cleared when full.
         self._memo: dict[str, tuple[int, ...]] = {}
+        # Long text is encoded piece by piece between added tokens (the backend splits there
+        # first, so the ids are the same) and each piece is remembered: a fleet's sessions
+        # open with the same system prompt and tool list, encoded once instead of per session.
+        self._segments: dict[str, array] = {}
+        self._segment_chars = 0
+        self._split, self._added = self._added_tokens() if self._backend is not None else (None, {})
 
     @property
     def wrapped(self) -> Any:
@@ -45,7 +54,7 @@ class FastTokenizer:
     def encode(self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
         if self._backend is not None and not args and not kwargs and not add_special_tokens:
             if len(text) > MEMO_MAX_CHARS:
-                return self._backend.encode(text, add_special_tokens=False).ids
+                return self._encode_long(text)
             ids = self._memo.get(text)
             if ids is None:
                 if len(self._memo) >= MEMO_ENTRIES:
@@ -53,6 +62,43 @@ class FastTokenizer:
                 ids = self._memo[text] = tuple(self._backend.encode(text, add_special_tokens=False).ids)
             return list(ids)  # a fresh list: callers may extend it
         return self._tok.encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
+
+    def _added_tokens(self) -> tuple[re.Pattern | None, dict[str, int]]:
+        """The pattern that splits text at added tokens, when splitting there is exact: every
+        added token matched verbatim (no strip, normalisation or word rule) and the probes agree."""
+        decoder = getattr(self._tok, "added_tokens_decoder", None) or {}
+        tokens = {t.content: i for i, t in decoder.items()}
+        plain = all(not (t.lstrip or t.rstrip or t.normalized or t.single_word) for t in decoder.values())
+        if not tokens or not plain:
+            return None, {}
+        split = re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
+        self._split, self._added = split, tokens
+        probes = [p * 3 for p in _PROBES] + ["".join(_PROBES) + "<|im_start|>" + "x" * 100 + "<|im_end|>"]
+        if any(self._encode_long(p) != self._backend.encode(p, add_special_tokens=False).ids for p in probes):
+            self._segments.clear()
+            return None, {}
+        return split, tokens
+
+    def _encode_long(self, text: str) -> list[int]:
+        if self._split is None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for k, part in enumerate(self._split.split(text)):
+            if k % 2:  # an added token
+                out.append(self._added[part])
+                continue
+            if not part:
+                continue
+            ids = self._segments.get(part)
+            if ids is None:
+                ids = array("i", self._backend.encode(part, add_special_tokens=False).ids)
+                if self._segment_chars + len(part) > SEGMENT_MEMO_CHARS:
+                    self._segments.clear()
+                    self._segment_chars = 0
+                self._segments[part] = ids
+                self._segment_chars += len(part)
+            out += ids.tolist()
+        return out
 
     def decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> str:
         return self._tok.decode(token_ids, *args, **kwargs)

@@ -19,8 +19,43 @@ def test_memoised_short_strings_come_back_as_fresh_lists(qwen_tok):
     first = fast.encode("<think>\n")
     first.append(-1)  # a caller extending what it got must not change the next answer
     assert fast.encode("<think>\n") == qwen_tok.encode("<think>\n", add_special_tokens=False)
-    long = "word " * 40  # above the memo's limit: encoded each time, same ids
+    long = "word " * 40  # above the short memo's limit: kept as a segment instead, same ids
     assert fast.encode(long) == qwen_tok.encode(long, add_special_tokens=False) and long not in fast._memo
+    again = fast.encode(long)
+    again.append(-1)
+    assert fast.encode(long) == qwen_tok.encode(long, add_special_tokens=False)
+
+
+_PIECES = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "<|endoftext|>", "\n", " ", "  ", "\n\n",
+           "system", "You are a coding agent.", '{"name": "bash", "arguments": {"cmd": "ls -la"}}', "caf\u00e9 \u4f60\u597d",
+           "\U0001f600", "e\u0301", "<|im_start", "im_end|>", "\t", "123456789", " ."]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.sampled_from(_PIECES) | st.text(max_size=12), min_size=8, max_size=60))
+def test_long_text_split_at_added_tokens_equals_transformers_encode(qwen_tok, parts):
+    """Text above the short memo's limit is encoded piece by piece between added tokens, each
+    piece remembered: the ids must be transformers' own for the whole text, the first time and
+    from the memo, whatever sits next to an added token."""
+    text = "x" * 65 + "".join(parts)  # always the long path
+    fast = FastTokenizer(qwen_tok)
+    assert fast._split is not None
+    want = qwen_tok.encode(text, add_special_tokens=False)
+    assert fast.encode(text) == want
+    assert fast.encode(text) == want  # from the segment memo
+
+
+def test_a_system_prompt_is_encoded_once_across_sessions(qwen_tok):
+    fast = FastTokenizer(qwen_tok)
+    system = "You are a careful agent. " * 200
+    first = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nfix the bug<|im_end|>\n<|im_start|>assistant\n"
+    second = first.replace("fix the bug", "add a test")
+    assert fast.encode(first) == qwen_tok.encode(first, add_special_tokens=False)
+    calls = []
+    backend = fast._backend
+    fast._backend = type("Counting", (), {"encode": lambda self, t, **kw: calls.append(t) or backend.encode(t, **kw)})()
+    assert fast.encode(second) == qwen_tok.encode(second, add_special_tokens=False)
+    assert all(system not in c for c in calls) and any("add a test" in c for c in calls)
 
 
 def test_renderer_on_the_fast_view_renders_the_same_ids(qwen_tok):
