@@ -79,11 +79,15 @@ def as_list(ids: Sequence[int]) -> list[int]:
 def prompt_tail(prompt_ids: Sequence[int], close_ids: set[int] | frozenset[int], limit: int = 4096) -> list[int]:
     """The prompt from its last turn close on (at most ``limit`` ids), as a list: all a
     renderer's bridge or parser reads of it. Costs the tail, not the prompt."""
-    window = as_list(prompt_ids[max(0, len(prompt_ids) - limit) :])
-    for i in range(len(window) - 1, -1, -1):
-        if window[i] in close_ids:
-            return window[i:]
-    return window
+    lo, end, step = max(0, len(prompt_ids) - limit), len(prompt_ids), 256
+    while end > lo:  # the last close is usually a few tokens back: look there first
+        start = max(lo, end - step)
+        chunk = as_list(prompt_ids[start:end])
+        for i in range(len(chunk) - 1, -1, -1):
+            if chunk[i] in close_ids:
+                return as_list(prompt_ids[start + i :])
+        end, step = start, step * 4
+    return as_list(prompt_ids[lo:])
 
 
 class RendererBridge:
