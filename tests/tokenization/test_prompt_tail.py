@@ -6,7 +6,6 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.store.packing import common_prefix_len
 from tokenization.bridge import prompt_tail
 
 
@@ -29,9 +28,3 @@ def test_prompt_tail_is_the_backward_scan_for_lists_and_arrays(ids, limit):
     for form in (ids, np.asarray(ids, dtype=np.int32)):
         got = prompt_tail(form, close, limit)
         assert got == want and all(type(t) is int for t in got)
-
-
-@given(a=st.lists(st.integers(0, 5), max_size=50), b=st.lists(st.integers(0, 5), max_size=50))
-def test_common_prefix_len(a, b):
-    want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    assert common_prefix_len(np.asarray(a, np.int32), np.asarray(b, np.int32)) == want

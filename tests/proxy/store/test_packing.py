@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from proxy.store.records import TurnRecord
 from proxy.store import Store
 from proxy.store.packing import (
+    common_prefix_len,
     pack_f32,
     pack_i32,
     pack_proximal,
@@ -94,3 +95,9 @@ def test_turn_round_trip_through_store(arrays, prompt_extra, prompt_tail):
             assert got0 == t0 and got1 == t1
             assert s.turns.get("t1") == t1
             s.close()
+
+
+@given(a=st.lists(st.integers(0, 5), max_size=50), b=st.lists(st.integers(0, 5), max_size=50))
+def test_common_prefix_len(a, b):
+    want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert common_prefix_len(np.asarray(a, np.int32), np.asarray(b, np.int32)) == want

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import orjson
 import pytest
 
@@ -46,6 +47,25 @@ def test_turns_round_trip_in_index_order(store, make_turn):
     assert store.turns.get("s-t2") == t2
     assert store.turns.get("missing") is None
     assert store.turns.list("unknown") == []
+
+
+def test_a_spliced_turn_goes_in_and_out_as_int32_arrays(store, make_turn):
+    """The hot path's form: ``ids`` gives read-only int32 views (no per-token list), and a
+    prompt committed as an int32 array is stored exactly as the list form would be."""
+    store.sessions.upsert("s")
+    t0 = make_turn("s", 0, [1, 2, 3], [4, 5])
+    store.turns.add(t0)
+    prompt, output = store.turns.ids("s-t0")
+    assert prompt.dtype == output.dtype == np.int32 and prompt.tolist() == [1, 2, 3] and output.tolist() == [4, 5]
+    with pytest.raises(ValueError):
+        prompt[0] = 9  # the store's cached sequence is not the caller's to change
+    spliced = np.concatenate((prompt, output, np.asarray([6, 7], np.int32)))
+    t1 = make_turn("s", 1, spliced.tolist(), [8], parent="s-t0")
+    store.turns.add(dataclasses.replace(t1, prompt_ids=spliced))
+    assert store.turns.get("s-t1") == t1  # read back as lists, equal to the list-form record
+    assert [x.tolist() for x in store.turns.ids("s-t1")] == [[1, 2, 3, 4, 5, 6, 7], [8]]
+    with pytest.raises(ValueError, match="int32"):
+        store.turns.add(dataclasses.replace(make_turn("s", 2, [1], [2 ** 31]), prompt_ids=np.asarray([1], np.int32)))
 
 
 def test_add_turn_rejections(store, make_turn):
