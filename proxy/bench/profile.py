@@ -56,6 +56,46 @@ def _idle(last: str) -> bool:
         name == "_worker" and "concurrent/futures/thread.py" in last and "run (" not in last)
 
 
+# Where a sample's time goes, named by the innermost frame that belongs to a known part (a
+# sample inside orjson called from the engine client is the engine client's).
+PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("engine client", ("/engines/", "aiohttp/", "httpx/", "httpcore/", "h11/", "anyio/")),
+    ("store", ("/proxy/store/", "sqlite3/")),
+    ("tokenization", ("/tokenization/", "renderers/", "tokenizers/", "transformers/")),
+    ("dialect (request checks, response JSON)", ("/proxy/api/", "pydantic/", "pydantic_core/")),
+    ("session logic (planner, runner, drift, R2)", ("/proxy/session/",)),
+    ("HTTP serving (uvicorn, Starlette, FastAPI, guard)", ("uvicorn/", "starlette/", "fastapi/", "/proxy/guard.py",
+                                                          "/proxy/ui/", "/proxy/app")),  # fmt: skip
+    ("metrics and logging", ("prometheus_client/", "logging/", "/proxy/metrics", "/proxy/turn_log")),
+)
+
+
+def part_of(raw_frames: list[str]) -> str:
+    """The part a sample belongs to: the innermost frame whose file matches one of ``PARTS``."""
+    for raw in reversed(raw_frames):
+        where = "/" + raw.partition(" (")[2]
+        for name, keys in PARTS:
+            if any(k in where for k in keys):
+                return name
+    return "other (event loop, threads)"
+
+
+def by_part(path: str) -> tuple[int, Counter]:
+    """(busy samples, samples per part) from a collapsed-stack file."""
+    total, parts = 0, Counter()
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            raw = stack.split(";")
+            if _idle(raw[-1]) or len(raw) < 2:
+                continue
+            total += int(n)
+            parts[part_of(raw[1:])] += int(n)
+    return total, parts
+
+
 def summarize(path: str) -> tuple[int, Counter, Counter]:
     """(samples, inclusive, self) counts per frame from a collapsed-stack file (idle threads dropped)."""
     total, incl, own = 0, Counter(), Counter()
@@ -88,5 +128,8 @@ def top_frames(path: str, n: int = 25) -> str:
         return f"profile {path}: no busy samples"
     rows = [[fr, f"{100 * k / total:.1f}"] for fr, k in incl.most_common(n)]
     rows2 = [[fr, f"{100 * k / total:.1f}"] for fr, k in own.most_common(n)]
-    return (f"\nprofile {path}: {total} busy samples\n" + format_table(["frame (inclusive)", "%"], rows)
+    _, parts = by_part(path)
+    rows3 = [[name, f"{100 * k / total:.1f}"] for name, k in parts.most_common()]
+    return (f"\nprofile {path}: {total} busy samples\n" + format_table(["part of the proxy", "%"], rows3)
+            + "\n\n" + format_table(["frame (inclusive)", "%"], rows)
             + "\n\n" + format_table(["frame (self)", "%"], rows2))

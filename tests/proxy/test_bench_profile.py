@@ -1,7 +1,7 @@
 """``splice bench overhead --profile`` reads py-spy's collapsed stacks: waiting threads are not
 counted as work, and a frame's inclusive share counts each sample once."""
 
-from proxy.bench.profile import summarize, top_frames
+from proxy.bench.profile import by_part, summarize, top_frames
 
 STACKS = """\
 MainThread;<module> (<string>:1);run (asyncio/runners.py:118) 50
@@ -20,3 +20,13 @@ def test_idle_samples_are_dropped_and_shares_add_up(tmp_path):
     assert incl["runner.py:run"] == 40 and own["turns.py:add"] == 30 and own["turns.py:set_drift"] == 10
     text = top_frames(str(path))
     assert "50 busy samples" in text and "turns.py:add" in text
+
+
+def test_a_sample_belongs_to_its_innermost_known_part(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text(STACKS + "MainThread;<module> (<string>:1);run (proxy/session/runner.py:258);generate (engines/sglang.py:232);"
+                    "dumps (orjson/__init__.py:1) 7\n")  # fmt: skip
+    total, parts = by_part(str(path))
+    assert total == 57
+    assert parts == {"store": 40, "session logic (planner, runner, drift, R2)": 10, "engine client": 7}
+    assert "part of the proxy" in top_frames(str(path))
