@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 from collections import Counter
+from typing import Iterator
 
 from .tables import format_table
 
@@ -80,41 +81,38 @@ def part_of(raw_frames: list[str]) -> str:
     return "other (event loop, threads)"
 
 
-def by_part(path: str) -> tuple[int, Counter]:
-    """(busy samples, samples per part) from a collapsed-stack file."""
-    total, parts = 0, Counter()
+def busy_samples(path: str) -> Iterator[tuple[list[str], int]]:
+    """(raw frames below the thread name, count) of each busy stack in a collapsed-stack file
+    (waiting threads dropped)."""
     with open(path) as f:
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
             if not stack or not n.isdigit():
                 continue
             raw = stack.split(";")
-            if _idle(raw[-1]) or len(raw) < 2:
+            if _idle(raw[-1]) or len(raw) < 2:  # first entry: the thread
                 continue
-            total += int(n)
-            parts[part_of(raw[1:])] += int(n)
+            yield raw[1:], int(n)
+
+
+def by_part(path: str) -> tuple[int, Counter]:
+    """(busy samples, samples per part) from a collapsed-stack file."""
+    total, parts = 0, Counter()
+    for raw, k in busy_samples(path):
+        total += k
+        parts[part_of(raw)] += k
     return total, parts
 
 
 def summarize(path: str) -> tuple[int, Counter, Counter]:
     """(samples, inclusive, self) counts per frame from a collapsed-stack file (idle threads dropped)."""
     total, incl, own = 0, Counter(), Counter()
-    with open(path) as f:
-        for line in f:
-            stack, _, n = line.rstrip("\n").rpartition(" ")
-            if not stack or not n.isdigit():
-                continue
-            raw = stack.split(";")
-            if _idle(raw[-1]):
-                continue
-            frames = [_frame(x) for x in raw[1:]]  # first entry: the thread
-            if not frames:
-                continue
-            k = int(n)
-            total += k
-            for fr in set(frames):
-                incl[fr] += k
-            own[frames[-1]] += k
+    for raw, k in busy_samples(path):
+        frames = [_frame(x) for x in raw]
+        total += k
+        for fr in set(frames):
+            incl[fr] += k
+        own[frames[-1]] += k
     return total, incl, own
 
 
