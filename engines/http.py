@@ -18,6 +18,7 @@ decoded leniently and every non-finite or null logprob is mapped to ``NEG_INF_LO
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import httpx
 import numpy as np
 import orjson
 
+from engines.http_transport import AiohttpTransport, Reply
 from engines.types import (
     EngineBadResponse,
     EngineError,
@@ -76,25 +78,24 @@ async def deadline(total_s: float, replica: str, path: str = "") -> AsyncIterato
         raise EngineTimeout(f"{replica}{path}: no complete reply within {total_s:g} s", replica=replica) from None
 
 
-def split_credentials(url: str) -> tuple[str, httpx.BasicAuth | httpx.USE_CLIENT_DEFAULT]:
-    """``(url without user:password@, basic auth)``: requests carry the credentials in a header,
-    so the URL httpx logs ("HTTP Request: POST http://...") never contains them."""
+def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """``(url without user:password@, (user, password) or None)``: requests carry the
+    credentials in a basic-auth header, so a logged request URL never contains them."""
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:
-        return url, httpx.USE_CLIENT_DEFAULT
+        return url, None
     if "@" not in parts.netloc:
-        return url, httpx.USE_CLIENT_DEFAULT
+        return url, None
     userinfo, _, hostport = parts.netloc.rpartition("@")
     user, _, password = userinfo.partition(":")
     bare = urllib.parse.urlunsplit((parts.scheme, hostport, parts.path, parts.query, parts.fragment))
-    auth = httpx.BasicAuth(urllib.parse.unquote(user), urllib.parse.unquote(password))
-    return bare, auth
+    return bare, (urllib.parse.unquote(user), urllib.parse.unquote(password))
 
 
-def _timeout(total_s: float) -> httpx.Timeout:
-    """``total_s`` for reads/writes, but a short connect timeout so dead replicas fail fast."""
-    return httpx.Timeout(total_s, connect=min(total_s, CONNECT_TIMEOUT_S))
+def basic_auth(user: str, password: str) -> str:
+    """The ``Authorization`` value for HTTP basic auth (UTF-8, as httpx and curl send it)."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
 
 
 def token_list(ids) -> Any:
@@ -202,17 +203,14 @@ class Http:
         # ``user:pass@`` in the URL becomes a basic-auth header on every request, and requests go
         # to the URL without it (httpx logs request URLs); every message, error and status shows
         # ``url``, where the password is redacted.
-        self._base, self._auth = split_credentials(base_url.rstrip("/"))
+        self._base, creds = split_credentials(base_url.rstrip("/"))
         self.url = redact_url(base_url.rstrip("/"))
-        self._urls: dict[str, httpx.URL] = {}  # parsed once: httpx parses a str URL on every call
-
-    def _url(self, path: str) -> httpx.URL:
-        url = self._urls.get(path)
-        if url is None:
-            url = httpx.URL(self._base + path)
-            if len(self._urls) < 64:
-                self._urls[path] = url
-        return url
+        # Every call goes out on the transport's direct path (engines/http_transport.py).
+        transport = getattr(client, "_transport", None)
+        if not isinstance(transport, AiohttpTransport):
+            raise TypeError("engine clients need an httpx.AsyncClient(transport=engines.http_transport.AiohttpTransport())")
+        self._direct = transport
+        self._auth_headers = {"authorization": basic_auth(*creds)} if creds else {}
 
     async def request(
         self,
@@ -231,16 +229,25 @@ class Http:
             headers["content-type"] = "application/json"
         try:
             async with deadline(timeout, self.url, path):
-                resp = await self.client.request(
-                    method, self._url(path), content=content, headers=headers, timeout=_timeout(timeout), auth=self._auth
-                )
+                reply = await self._open(method, path, content, headers, timeout)
+                try:
+                    status, data = reply.status, await reply.read()
+                finally:
+                    reply.close()
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, self.url) from exc
-        if resp.status_code >= 300:
-            raise status_error(resp.status_code, resp.content, self.url, path)
-        if allow_empty and not resp.content.strip():
+        if status >= 300:
+            raise status_error(status, data, self.url, path)
+        if allow_empty and not data.strip():
             return None
-        return decode_json(resp.content, self.url, path)
+        return decode_json(data, self.url, path)
+
+    def _open(self, method: str, path: str, content: bytes | None, headers: dict[str, str], timeout: float):
+        if self._auth_headers:
+            headers.update(self._auth_headers)
+        return self._direct.open(
+            method, self._base + path, content=content, headers=headers, connect_s=min(timeout, CONNECT_TIMEOUT_S), read_s=timeout
+        )
 
     async def probe(self, method: str, path: str, *, timeout: float = 10.0) -> int | None:
         """The HTTP status ``method path`` answers with, or None when the replica is unreachable.
@@ -249,45 +256,42 @@ class Http:
         POST-only route answers 405 where the route exists and 404 where it does not.
         """
         try:
-            resp = await self.client.request(method, self._url(path), timeout=_timeout(timeout), auth=self._auth)
-        except httpx.HTTPError:
+            async with deadline(timeout, self.url, path):
+                reply = await self._open(method, path, None, {}, timeout)
+        except (httpx.HTTPError, EngineTimeout):
             return None
-        return resp.status_code
+        reply.close()
+        return reply.status
 
     @asynccontextmanager
     async def stream(
         self, path: str, body: Any, *, timeout: float, headers: dict[str, str] | None = None
-    ) -> AsyncIterator[httpx.Response]:
-        """POST and yield the open response once its status is known to be 2xx."""
-        req = self.client.build_request(
-            "POST",
-            self._url(path),
-            content=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
-            headers={**(headers or {}), "content-type": "application/json", "accept": "text/event-stream"},
-            timeout=_timeout(timeout),
-        )
+    ) -> AsyncIterator[Reply]:
+        """POST and yield the open reply once its status is known to be 2xx (read it with ``sse``)."""
+        content = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        headers = {**(headers or {}), "content-type": "application/json", "accept": "text/event-stream"}
         try:
-            resp = await self.client.send(req, stream=True, auth=self._auth)
+            reply = await self._open("POST", path, content, headers, timeout)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, self.url) from exc
         try:
-            if resp.status_code >= 300:
+            if reply.status >= 300:
                 try:
-                    content = await resp.aread()
+                    content = await reply.read()
                 except httpx.HTTPError:
                     content = b""
-                raise status_error(resp.status_code, content, self.url, path)
-            yield resp
+                raise status_error(reply.status, content, self.url, path)
+            yield reply
         finally:
-            await resp.aclose()
+            reply.close()
 
-    async def sse(self, resp: httpx.Response, path: str) -> AsyncIterator[dict]:
+    async def sse(self, resp: Reply, path: str) -> AsyncIterator[dict]:
         """Yield each ``data: {...}`` frame of a server-sent-event stream until ``data: [DONE]``.
 
         A frame carrying ``error`` (how SGLang and vLLM report failures mid-stream) raises.
         """
         try:
-            async for line in resp.aiter_lines():
+            async for line in resp.lines():
                 line = line.strip()
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, event names

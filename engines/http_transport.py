@@ -1,11 +1,16 @@
-"""An ``httpx`` transport that sends over ``aiohttp``: the engine client's hot path.
+"""The engine client's wire: ``aiohttp`` under an ``httpx`` transport, and a direct path beside it.
 
 httpx's own transport (httpcore on anyio, h11 in pure Python) costs about 1.6 ms of CPU per
 ``/generate`` at one request in flight and 4.5 ms at 64 (its pool scans every connection on each
 request) on a small machine; aiohttp's C-accelerated client does the same request for about
-0.3 ms. Keeping httpx's ``AsyncClient`` in front keeps one API for every engine call and keeps
-``respx`` usable for wire-format tests (``respx``'s ``httpx`` mocker patches the client, whatever
-its transport). ``splice bench overhead`` shows the difference end to end.
+0.3 ms. Even over aiohttp, httpx's request and response models (URL and header normalisation,
+auth and cookie flows, the response body stream) add about 0.6 ms per call, so the calls on the
+hot path (``/generate`` and the completion calls, plain and streamed) use ``open`` directly:
+aiohttp with the request as bytes, the reply as bytes or lines. Everything else (start-up
+probes, admin calls made by a user-supplied ``httpx.AsyncClient``) goes through httpx.
+Wire-format tests intercept both with ``respx`` (tests/conftest.py routes ``open`` through the
+transport's ``handle_async_request``, which respx patches). ``splice bench overhead`` shows the
+difference end to end.
 
 Errors come back as the httpx exceptions httpcore would raise, so ``map_transport_error`` sorts
 them the same way: a refused or failed connect is ``ConnectError``, a server that hangs up is
@@ -22,6 +27,7 @@ import aiohttp
 import httpx
 
 CHUNK = 64 * 1024
+_SKIPPED = ("Accept-Encoding", "User-Agent", "Content-Type")  # sent only when the caller gives them
 
 
 @contextmanager
@@ -63,6 +69,41 @@ class _Body(httpx.AsyncByteStream):
         self._resp.release()  # back to the pool when fully read; closed otherwise
 
 
+class Reply:
+    """An engine's reply on the direct path: the status, then the whole body or its lines.
+    ``close()`` hands a fully read connection back to the pool (and drops one that is not)."""
+
+    def __init__(self, resp: aiohttp.ClientResponse):
+        self._resp = resp
+        self.status = resp.status
+
+    async def read(self) -> bytes:
+        with _mapped():
+            return await self._resp.read()
+
+    async def lines(self) -> AsyncIterator[str]:
+        """The body's lines as they arrive, without their line breaks. Split here rather than
+        with aiohttp's ``readline``, which refuses lines over 128 KiB (a long prompt's echoed
+        logprobs are one SSE line of megabytes)."""
+        pending: list[bytes] = []  # the current line's pieces: joined once, however long it is
+        with _mapped():
+            async for chunk in self._resp.content.iter_chunked(CHUNK):
+                if b"\n" not in chunk:
+                    pending.append(chunk)
+                    continue
+                parts = chunk.split(b"\n")
+                if pending:
+                    parts[0] = b"".join((*pending, parts[0]))
+                pending = [parts.pop()]
+                for part in parts:
+                    yield part.rstrip(b"\r").decode("utf-8", "replace")
+        if last := b"".join(pending):
+            yield last.rstrip(b"\r").decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self._resp.release()
+
+
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """One ``aiohttp.ClientSession`` (made on first use, inside the running loop), no connection
     limit (the proxy's admission control bounds what is in flight), HTTP/1.1 keep-alive."""
@@ -89,12 +130,25 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         with _mapped():
             resp = await self._client().request(
                 request.method, str(request.url), data=data, headers=request.headers.multi_items(),
-                allow_redirects=False, timeout=timeout, skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
+                allow_redirects=False, timeout=timeout, skip_auto_headers=_SKIPPED,
             )  # fmt: skip
         return httpx.Response(
             resp.status, headers=resp.raw_headers, stream=_Body(resp), request=request,
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": (resp.reason or "").encode()},
         )  # fmt: skip
+
+    async def open(
+        self, method: str, url: str, *, content: bytes | None, headers: dict[str, str], connect_s: float, read_s: float
+    ) -> Reply:
+        """Send one request and return its reply once the status line and headers are in; aiohttp
+        errors come out as the httpx exceptions ``handle_async_request`` raises."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
+        with _mapped():
+            resp = await self._client().request(
+                method, url, data=content, headers=headers, allow_redirects=False, timeout=timeout,
+                skip_auto_headers=_SKIPPED,
+            )  # fmt: skip
+        return Reply(resp)
 
     async def aclose(self) -> None:
         if self._session is not None:

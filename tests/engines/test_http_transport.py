@@ -1,0 +1,108 @@
+"""The engine client's direct path over a real socket (no respx): what goes out, what comes back.
+
+References are independent of Splice: the bytes a real aiohttp server received, Python's own
+line splitting of the body it sent, and httpx's basic-auth header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from engines.http import Http, basic_auth
+from engines.http_transport import AiohttpTransport
+from engines.types import EngineRejected
+
+
+def _serve(handler):
+    """Start an aiohttp server on a free loopback port; returns (runner, url)."""
+
+    async def start():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        return runner, f"http://127.0.0.1:{port}"
+
+    return start()
+
+
+def test_sse_lines_split_across_any_chunking_including_a_multi_megabyte_line():
+    rng = random.Random(7)
+    frames = [{"i": i, "pad": "x" * rng.choice([0, 10, 70_000, 3_000_000])} for i in range(8)]
+    body = b"".join(b"data: " + orjson.dumps(f) + (b"\r\n\r\n" if i % 2 else b"\n\n") for i, f in enumerate(frames))
+    body += b"data: [DONE]"  # no final line break
+
+    async def handler(request):
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        pos = 0
+        while pos < len(body):
+            n = rng.choice([1, 7, 4096, 65_537, 1_000_000])
+            await resp.write(body[pos : pos + n])
+            pos += n
+        await resp.write_eof()
+        return resp
+
+    async def go():
+        runner, url = await _serve(handler)
+        async with httpx.AsyncClient(transport=AiohttpTransport()) as client:
+            http = Http(client, url)
+            try:
+                async with http.stream("/generate", {"x": 1}, timeout=30) as reply:
+                    lines = [line async for line in reply.lines()]
+                async with http.stream("/generate", {"x": 1}, timeout=30) as reply:
+                    got = [f async for f in http.sse(reply, "/generate")]
+            finally:
+                await runner.cleanup()
+        return lines, got
+
+    lines, got = asyncio.run(go())
+    assert lines == body.decode().splitlines()
+    assert got == frames
+
+
+def test_request_sends_json_auth_and_headers_and_maps_4xx():
+    seen: list[tuple[str, str, dict, bytes]] = []
+
+    async def handler(request):
+        seen.append((request.method, request.path, dict(request.headers), await request.read()))
+        if request.path == "/bad":
+            return web.json_response({"error": {"message": "no"}}, status=400)
+        return web.json_response({"ok": True})
+
+    async def go():
+        runner, url = await _serve(handler)
+        bare = url.replace("http://", "http://us%40er:p%3Ass@")
+        async with httpx.AsyncClient(transport=AiohttpTransport()) as client:
+            http = Http(client, bare)
+            try:
+                ok = await http.request("POST", "/generate", body={"input_ids": [1, 2]}, timeout=30, headers={"X-A": "b"})
+                with pytest.raises(EngineRejected):
+                    await http.request("GET", "/bad", timeout=30)
+                status = await http.probe("GET", "/anything")
+            finally:
+                await runner.cleanup()
+        return ok, status
+
+    ok, status = asyncio.run(go())
+    assert ok == {"ok": True} and status == 200
+    method, path, headers, raw = seen[0]
+    assert (method, path, orjson.loads(raw)) == ("POST", "/generate", {"input_ids": [1, 2]})
+    assert headers["Content-Type"] == "application/json" and headers["X-A"] == "b"
+    # the credentials of the URL, decoded, as httpx itself would send them
+    reference = next(httpx.BasicAuth("us@er", "p:ss").sync_auth_flow(httpx.Request("GET", "http://h/")))
+    assert headers["Authorization"] == reference.headers["authorization"] == basic_auth("us@er", "p:ss")
+
+
+def test_a_plain_httpx_client_is_refused_with_a_clear_message():
+    with pytest.raises(TypeError, match="AiohttpTransport"):
+        Http(httpx.AsyncClient(), "http://127.0.0.1:1")
