@@ -15,6 +15,7 @@ from typing import Any
 
 MEMO_MAX_CHARS = 64  # strings this short recur: role headers, think / tool-call markers, "\n"
 MEMO_ENTRIES = 4096
+SHORT_DECODE = 4  # id runs this short recur when decoded: markers, newlines, single tokens
 SEGMENT_MEMO_CHARS = 2_000_000  # longer text between control tokens: system prompts and tool lists recur
 
 _PROBES = (
@@ -45,7 +46,14 @@ class FastTokenizer:
         # open with the same system prompt and tool list, encoded once instead of per session.
         self._segments: dict[str, array] = {}
         self._segment_chars = 0
-        self._split, self._added = self._added_tokens() if self._backend is not None else (None, {})
+        self._split: re.Pattern | None = None
+        self._added: dict[str, int] = {}
+        if self._backend is not None:
+            self._split_at_added_tokens()
+        # Token strings to ids and short id runs to text: fixed per tokenizer, asked for several
+        # times per turn by the renderers' reasoning and header scans (each a slow Python call).
+        self._token_ids: dict[str, Any] = {}
+        self._texts: dict[tuple, str] = {}
 
     @property
     def wrapped(self) -> Any:
@@ -63,21 +71,22 @@ class FastTokenizer:
             return list(ids)  # a fresh list: callers may extend it
         return self._tok.encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
 
-    def _added_tokens(self) -> tuple[re.Pattern | None, dict[str, int]]:
-        """The pattern that splits text at added tokens, when splitting there is exact: every
-        added token matched verbatim (no strip, normalisation or word rule) and the probes agree."""
+    def _split_at_added_tokens(self) -> None:
+        """Encode long text piece by piece between added tokens, when splitting there is exact:
+        every added token matched verbatim (no strip, normalisation or word rule) and the probes
+        agree; otherwise whole, as before."""
         decoder = getattr(self._tok, "added_tokens_decoder", None) or {}
         tokens = {t.content: i for i, t in decoder.items()}
         plain = all(not (t.lstrip or t.rstrip or t.normalized or t.single_word) for t in decoder.values())
         if not tokens or not plain:
-            return None, {}
-        split = re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
-        self._split, self._added = split, tokens
+            return
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
+        self._added = tokens
         probes = [p * 3 for p in _PROBES] + ["".join(_PROBES) + "<|im_start|>" + "x" * 100 + "<|im_end|>"]
         if any(self._encode_long(p) != self._backend.encode(p, add_special_tokens=False).ids for p in probes):
+            self._split, self._added = None, {}
             self._segments.clear()
-            return None, {}
-        return split, tokens
+            self._segment_chars = 0
 
     def _encode_long(self, text: str) -> list[int]:
         if self._split is None:
@@ -101,10 +110,26 @@ class FastTokenizer:
         return out
 
     def decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> str:
-        return self._tok.decode(token_ids, *args, **kwargs)
+        if args or len(kwargs) > 1 or (kwargs and "skip_special_tokens" not in kwargs) or type(token_ids) is not list \
+                or len(token_ids) > SHORT_DECODE:  # fmt: skip
+            return self._tok.decode(token_ids, *args, **kwargs)
+        key = (*token_ids, kwargs.get("skip_special_tokens", False))
+        text = self._texts.get(key)
+        if text is None:
+            if len(self._texts) >= MEMO_ENTRIES:
+                self._texts.clear()
+            text = self._texts[key] = self._tok.decode(token_ids, **kwargs)
+        return text
 
     def convert_tokens_to_ids(self, tokens: Any) -> Any:
-        return self._tok.convert_tokens_to_ids(tokens)
+        if type(tokens) is not str:
+            return self._tok.convert_tokens_to_ids(tokens)
+        ids = self._token_ids.get(tokens)
+        if ids is None:
+            if len(self._token_ids) >= MEMO_ENTRIES:
+                self._token_ids.clear()
+            ids = self._token_ids[tokens] = self._tok.convert_tokens_to_ids(tokens)
+        return ids
 
     def __getattr__(self, name: str) -> Any:
         if name == "__call__":  # keep renderers off the per-segment offset probe

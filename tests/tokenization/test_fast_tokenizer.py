@@ -68,3 +68,27 @@ def test_renderer_on_the_fast_view_renders_the_same_ids(qwen_tok):
     assert create_renderer(FastTokenizer(qwen_tok), Qwen3RendererConfig()).render_ids(msgs, **kw) == plain
     assert isinstance(ChatFormat(qwen_tok, "qwen3").renderer._tokenizer, FastTokenizer)
     assert not callable(getattr(FastTokenizer(qwen_tok), "__call__", None))
+
+
+_SPECIAL = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<|endoftext|>"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, 151_668) | st.sampled_from([151644, 151645, 151667, 151668, 198, 271]), max_size=6),
+       skip=st.sampled_from([None, False, True]))  # fmt: skip
+def test_memoised_decode_equals_transformers_decode(qwen_tok, ids, skip):
+    """Short id runs are decoded once and remembered: the text must be transformers' own, the
+    first time and from the memo, with and without ``skip_special_tokens``."""
+    fast = FastTokenizer(qwen_tok)
+    kw = {} if skip is None else {"skip_special_tokens": skip}
+    for _ in range(2):
+        assert fast.decode(list(ids), **kw) == qwen_tok.decode(list(ids), **kw)
+
+
+def test_memoised_token_ids_equal_transformers(qwen_tok):
+    fast = FastTokenizer(qwen_tok)
+    for _ in range(2):
+        for token in [*_SPECIAL, "hello", "\u0120the", "not-a-token-xyz"]:
+            assert fast.convert_tokens_to_ids(token) == qwen_tok.convert_tokens_to_ids(token)
+        assert fast.convert_tokens_to_ids(_SPECIAL) == qwen_tok.convert_tokens_to_ids(_SPECIAL)
+    assert "<think>" in fast._token_ids  # asked twice, looked up once
