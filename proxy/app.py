@@ -43,6 +43,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     """Build the proxy app around an engine pool and a chat format (the CLI builds those)."""
     metrics = Metrics()
     store = store or Store(settings.store)
+    store.turns.group.on_flush = metrics.commit_group.observe
     store.pool.train_auxiliary = settings.train_auxiliary
     sampling = SamplingPolicy(
         mode=settings.sampling, temperature=settings.temperature, max_context=settings.max_context,

@@ -82,5 +82,9 @@ class Metrics:
         self.abandoned = Counter(
             "splice_abandoned_turns", "Turns whose client went away before the final body or event was sent", registry=r
         )
+        self.commit_group = Histogram(
+            "splice_commit_group_turns", "Turns committed per store transaction (group commit)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r,
+        )  # fmt: skip
         self.store_bytes = Gauge("splice_store_bytes", "Size of the SQLite store on disk", registry=r)
         self.version = Gauge("splice_policy_version", "Current policy version", registry=r)

@@ -186,7 +186,7 @@ class TurnRunner:
                     self.metrics.inflight.dec()
                 result = self._result(req, p, gen)
                 t_commit = time.perf_counter()
-                self._commit(req, p, result, session)
+                await self._commit(req, p, result, session)
                 self.metrics.stage_seconds.labels("commit").observe(time.perf_counter() - t_commit)
                 self._settle_owed(p, gen, pig)
         finally:
@@ -284,11 +284,12 @@ class TurnRunner:
             role=req.role or "main",
         )
 
-    def _commit(self, req: TurnRequest, p: Plan, result: TurnResult, known) -> None:
-        """One transaction: the session (when new or changed), the turn, its fingerprints and,
-        for the Responses API, its stored response. Inline, not in a thread: a WAL commit
-        without fsync takes well under a millisecond, and a writer thread would pay GIL
-        hand-offs on every SQLite call under load."""
+    async def _commit(self, req: TurnRequest, p: Plan, result: TurnResult, known) -> None:
+        """One savepoint: the session (when new or changed), the turn, its fingerprints and,
+        for the Responses API, its stored response, in the transaction of every turn that
+        finished in the same pass of the event loop (proxy/store/group_commit.py). On the loop,
+        not in a thread: a WAL commit without fsync takes well under a millisecond, and a writer
+        thread would pay GIL hand-offs on every SQLite call under load."""
         gen = result.generation
         stored = None
         if req.present is not None:
@@ -330,7 +331,10 @@ class TurnRunner:
         hashed = p.history_hash.copy().extend(req.messages[p.hashed :])
         fingerprints = answer_fingerprints(hashed, req, returned_message(result), p.session_id)
         try:
-            self.store.turns.add(turn, fingerprints=fingerprints, response=stored, session_fields=fields, new_images=new_images)
+            await self.store.turns.add_grouped(
+                turn, fingerprints=fingerprints, response=stored, session_fields=fields, new_images=new_images,
+                on_lost=lambda: self.abandon(result),
+            )  # fmt: skip
         except Conflict as exc:  # rewarded while this turn was generating, or a different group
             now = self.store.sessions.get(p.session_id)
             code = "session_closed" if now is not None and now.closed else "session_conflict"

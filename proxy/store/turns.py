@@ -11,18 +11,20 @@ token for one 10k-token turn, 9.2 for 20 spliced turns of 500 tokens.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import orjson
 
 from .db import Database
 from .errors import Conflict, NotFound
-from .images import StoredImage, pack_refs, unpack_refs, write_images
+from .group_commit import GroupCommit
+from .images import StoredImage, pack_refs, write_images
 from .lru import LRU
 from .packing import (
     F32,
@@ -39,17 +41,8 @@ from .packing import (
 from .records import TurnRecord
 from .responses import ResponseTable, StoredResponse
 from .samples import TurnTokens
+from .turn_rows import SELECT, row_record, row_tokens
 from .sessions import SessionTable
-
-SELECT = (
-    "SELECT t.seq, t.turn_id, t.session_id, t.idx, t.parent_turn_id, t.prompt_base, t.prompt_base_len, "
-    "t.prompt_tail, t.n_output, t.output_ids, t.logprobs, t.versions, p.prox_logprobs, p.prox_versions, "
-    "t.spliced, t.fork_reason, t.finish_reason, t.created_at, sm.json, t.drift, t.api, t.response_id, "
-    "EXISTS (SELECT 1 FROM abandoned a WHERE a.turn_seq = t.seq), ti.refs, t.role "
-    "FROM turns t LEFT JOIN proximal p ON p.turn_seq = t.seq JOIN samplings sm ON sm.id = t.sampling_id "
-    "LEFT JOIN turn_images ti ON ti.turn_seq = t.seq "
-)
-
 
 @dataclass(frozen=True)
 class TurnSequence:
@@ -69,6 +62,16 @@ class TurnSequence:
         return int(self.full.size - self.n_prompt)
 
 
+class TurnWrite(NamedTuple):
+    """A prepared turn: ``write(connection)`` inside a transaction, ``committed()`` after it."""
+
+    write: Callable[[sqlite3.Connection], None]
+    committed: Callable[[], None]
+
+    def __call__(self, c: sqlite3.Connection) -> None:
+        self.write(c)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A recorded turn whose answer a request's history ends with."""
@@ -86,18 +89,11 @@ class TurnTable:
         self.clock = clock
         self._full_ids = LRU(4_000_000)  # turn seq -> prompt+output ids (int32 array)
         self._sampling_ids: dict[bytes, int] = {}  # committed samplings rows: a turn's record is usually one of a few
+        self.group = GroupCommit(db)
 
     # ------------------------------------------------------------ writing
 
-    def add(
-        self,
-        turn: TurnRecord,
-        *,
-        fingerprints: Sequence[bytes] = (),
-        response: StoredResponse | None = None,
-        session_fields: dict | None = None,
-        new_images: Sequence[StoredImage] = (),
-    ) -> TurnRecord:
+    def add(self, turn: TurnRecord, **parts) -> TurnRecord:
         """Commit a finished turn, in one transaction with what belongs to it: its session
         (created or filled in from ``session_fields`` when given), the history fingerprints that
         lead to it and, for a Responses turn, its stored response. Durable when this returns.
@@ -107,6 +103,39 @@ class TurnTable:
         ``turn.index`` < 0 means "the session's next index", assigned inside the transaction.
         Returns the turn as stored.
         """
+        write = self.prepare(turn, **parts)
+        with self.db.write() as c:
+            write(c)
+        write.committed()
+        return turn
+
+    async def add_grouped(self, turn: TurnRecord, *, on_lost: Callable[[], None], **parts) -> TurnRecord:
+        """``add`` through the group commit (proxy/store/group_commit.py), for the event loop.
+        Cancelled before its group's flush, nothing is stored; cancelled after it, the turn stays
+        stored and ``on_lost()`` runs (it was committed but will not be delivered)."""
+        write = self.prepare(turn, **parts)
+        fut = self.group.submit(write)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                write.committed()
+                on_lost()
+            raise
+        write.committed()
+        return turn
+
+    def prepare(
+        self,
+        turn: TurnRecord,
+        *,
+        fingerprints: Sequence[bytes] = (),
+        response: StoredResponse | None = None,
+        session_fields: dict | None = None,
+        new_images: Sequence[StoredImage] = (),
+    ) -> "TurnWrite":
+        """A turn's writes, checked and packed before any transaction: call the result with an
+        open write connection, then ``committed()`` once that transaction has committed."""
         out = np.asarray(turn.output_ids, dtype=np.int64)
         versions = np.asarray(turn.versions, dtype=np.int64)
         prox_versions = np.asarray(turn.proximal_versions, dtype=np.int64)
@@ -122,8 +151,9 @@ class TurnTable:
         logprobs = np.asarray(turn.output_logprobs, dtype=F32)
         prox = np.asarray(turn.proximal_logprobs_t, dtype=F32)
         sampling = orjson.dumps(turn.requested_sampling or {}, option=orjson.OPT_SORT_KEYS)
-        sampling_id = self._sampling_ids.get(sampling)
-        with self.db.write() as c:
+        done: dict = {}
+
+        def write(c: sqlite3.Connection) -> None:
             if session_fields is not None:
                 self.sessions.upsert_in(c, turn.session_id, **session_fields)
             row = c.execute(
@@ -137,6 +167,7 @@ class TurnTable:
             if turn.index < 0:
                 turn.index = 0 if row[1] is None else int(row[1]) + 1
             turn.check()
+            sampling_id = self._sampling_ids.get(sampling)
             if sampling_id is None:
                 sampling_id = _sampling_id(c, sampling)
             base_seq, base_len = self._pick_prompt_base(c, turn, prompt)
@@ -184,13 +215,17 @@ class TurnTable:
                     "INSERT OR IGNORE INTO fingerprints (fp, turn_seq) VALUES (?, ?)", [(fp, seq) for fp in fingerprints]
                 )
             resp_seq = self.responses.insert(c, response, turn.session_id, turn.turn_id) if response is not None else None
-        if len(self._sampling_ids) < 4096:  # committed: the id is real
-            self._sampling_ids[sampling] = sampling_id
-        # Only after COMMIT: a rolled-back seq may be reused by another turn.
-        self._full_ids.put(seq, np.concatenate([prompt, out.astype(I32)]))
-        if resp_seq is not None:
-            self.responses.remember(resp_seq, response.conversation)
-        return turn
+            done.update(seq=seq, resp_seq=resp_seq, sampling_id=sampling_id)
+
+        def committed() -> None:
+            if len(self._sampling_ids) < 4096:  # committed: the id is real
+                self._sampling_ids[sampling] = done["sampling_id"]
+            # Only after COMMIT: a rolled-back seq may be reused by another turn.
+            self._full_ids.put(done["seq"], np.concatenate([prompt, out.astype(I32)]))
+            if done["resp_seq"] is not None:
+                self.responses.remember(done["resp_seq"], response.conversation)
+
+        return TurnWrite(write, committed)
 
     @staticmethod
     def _duplicate(turn: TurnRecord, exc: sqlite3.IntegrityError) -> Conflict:
@@ -360,7 +395,7 @@ class TurnTable:
     def list_in(self, c, session_id: str) -> list[TurnRecord]:
         rows = c.execute(SELECT + "WHERE t.session_id = ? ORDER BY t.seq", (session_id,)).fetchall()
         prompts = self._decode_prompts(c, [(r[0], r[5], r[6], r[7], r[9]) for r in rows])
-        turns = [_turn(r, prompts[r[0]][0]) for r in rows]
+        turns = [row_record(r, prompts[r[0]][0]) for r in rows]
         return sorted(turns, key=lambda t: t.index)
 
     def iter_tokens(self, c, session_id: str) -> Iterator[TurnTokens]:
@@ -374,7 +409,7 @@ class TurnTable:
         rows = c.execute(SELECT + "WHERE t.session_id = ? ORDER BY t.seq", (session_id,)).fetchall()
         if any(a[3] > b[3] for a, b in zip(rows, rows[1:])):  # indices given out of commit order (tests, imports)
             decoded = self._decode_prompts(c, [(r[0], r[5], r[6], r[7], r[9]) for r in rows])
-            yield from sorted((_tokens(r, decoded[r[0]][0]) for r in rows), key=lambda t: t.index)
+            yield from sorted((row_tokens(r, decoded[r[0]][0]) for r in rows), key=lambda t: t.index)
             return
         last_use = {r[5]: i for i, r in enumerate(rows) if r[5] is not None}
         full: dict[int, np.ndarray] = {}
@@ -389,7 +424,7 @@ class TurnTable:
             prompt = np.concatenate([head, unpack_i32(tail)])
             if last_use.get(seq, -1) > i:
                 full[seq] = np.concatenate([prompt, unpack_i32(output_ids)])
-            yield _tokens(row, prompt)
+            yield row_tokens(row, prompt)
 
     def candidates(self, fingerprint: bytes, limit: int = 64) -> list[Candidate]:
         """Recorded turns a history fingerprint leads to, most recent first."""
@@ -469,7 +504,7 @@ class TurnTable:
             head = np.empty(0, dtype=I32) if base is None else self._full_sequence(c, base)[:base_len]
             prompt = np.concatenate([head, unpack_i32(tail)])
             self._full_ids.put(seq, np.concatenate([prompt, unpack_i32(row[9])]))
-            result.append(_turn(row, prompt))
+            result.append(row_record(row, prompt))
         return result
 
 
@@ -522,57 +557,3 @@ def _owed_rows(c, version: int, *, light: bool = False, closed_only: bool = Fals
         if np.any((versions == owed) & (pv == versions)):
             result.append(r)
     return result
-
-
-def _token_arrays(logprobs, versions, prox_lp, prox_v):
-    """A stored turn's packed per-token columns as arrays: logprobs, versions, proximal both."""
-    lp = unpack_f32(logprobs)
-    v = unpack_runs(versions)
-    return (lp, v, *unpack_proximal(lp, v, prox_lp, prox_v))
-
-
-def _tokens(row, prompt: np.ndarray) -> TurnTokens:
-    (
-        _seq, turn_id, _session_id, idx, _parent, _base, _base_len, _tail, _n_out,
-        output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
-        created_at, sampling, _drift, _api, _response_id, abandoned, image_refs, role,
-    ) = row  # fmt: skip
-    lp, v, plp, pv = _token_arrays(logprobs, versions, prox_lp, prox_v)
-    return TurnTokens(
-        turn_id=turn_id, index=idx, prompt_ids=prompt, output_ids=unpack_i32(output_ids), output_logprobs=lp,
-        versions=v, proximal_logprobs_t=plp, proximal_versions=pv, spliced=bool(spliced), fork_reason=fork_reason,
-        finish_reason=finish_reason, created_at=created_at, requested_sampling=orjson.loads(sampling),
-        abandoned=bool(abandoned), images=unpack_refs(image_refs), role=role,
-    )  # fmt: skip
-
-
-def _turn(row, prompt: np.ndarray) -> TurnRecord:
-    (
-        _seq, turn_id, session_id, idx, parent, _base, _base_len, _tail, _n_out,
-        output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
-        created_at, sampling, drift, api, response_id, abandoned, image_refs, role,
-    ) = row  # fmt: skip
-    lp, v, plp, pv = _token_arrays(logprobs, versions, prox_lp, prox_v)
-    return TurnRecord(
-        turn_id=turn_id,
-        session_id=session_id,
-        index=idx,
-        parent_turn_id=parent,
-        prompt_ids=prompt.tolist(),
-        output_ids=unpack_i32(output_ids).tolist(),
-        output_logprobs=lp.tolist(),
-        versions=v.tolist(),
-        proximal_logprobs_t=plp.tolist(),
-        proximal_versions=pv.tolist(),
-        spliced=bool(spliced),
-        fork_reason=fork_reason,
-        finish_reason=finish_reason,
-        created_at=created_at,
-        requested_sampling=orjson.loads(sampling),
-        drift=bool(drift),
-        api=api,
-        response_id=response_id,
-        abandoned=bool(abandoned),
-        images=unpack_refs(image_refs),
-        role=role,
-    )
