@@ -83,7 +83,7 @@ def _cpu_seconds(pid: int) -> float:
     return total / tick
 
 
-_METRIC = re.compile(r'^(splice_(?:stage|engine|proxy)_seconds)_(sum|count)(?:\{stage="(\w+)"\})? ([0-9.eE+-]+)$')
+_METRIC = re.compile(r'^(splice_(?:stage|engine|proxy)_seconds|splice_commit_group_turns)_(sum|count)(?:\{stage="(\w+)"\})? ([0-9.eE+-]+)$')
 
 
 def _splice_metrics(url: str) -> dict[str, float]:
@@ -95,18 +95,20 @@ def _splice_metrics(url: str) -> dict[str, float]:
         m = _METRIC.match(line)
         if m:
             name, kind, stage, val = m.groups()
-            key = stage or name.split("_")[1]
+            key = stage or ("group" if name == "splice_commit_group_turns" else name.split("_")[1])
             out[f"{key}_{kind}"] = float(val)
     return out
 
 
 def _stage_ms(m0: dict[str, float], m1: dict[str, float]) -> dict[str, float | None]:
-    """Mean ms per observation of each Splice stage between two ``/metrics`` reads."""
-    return {
-        k: ((m1.get(f"{k}_sum", 0) - m0.get(f"{k}_sum", 0)) / dn * 1e3)
-        if (dn := m1.get(f"{k}_count", 0) - m0.get(f"{k}_count", 0)) else None
-        for k in (*STAGES, "engine", "proxy")
-    }
+    """Mean ms per observation of each Splice stage between two ``/metrics`` reads, and the mean
+    turns per store transaction (``group``: the group commit's size)."""
+    def mean(k: str) -> float | None:
+        dn = m1.get(f"{k}_count", 0) - m0.get(f"{k}_count", 0)
+        return (m1.get(f"{k}_sum", 0) - m0.get(f"{k}_sum", 0)) / dn if dn else None
+
+    out = {k: None if (v := mean(k)) is None else v * 1e3 for k in (*STAGES, "engine", "proxy")}
+    return {**out, "group": mean("group")}
 
 
 def _litellm_start(tmp: str, upstream: str, key: str, procs: list) -> tuple[str | None, subprocess.Popen | None, str]:
@@ -425,10 +427,11 @@ def _print(runs: list[dict], targets: list[dict], n_out: int, litellm_note: str,
     for r in runs:
         b = r["splice"].get("splice_ms_per_turn")
         if b:
-            rows.append([r["concurrency"], *(_f(b[k], "{:.3f}") for k in (*STAGES, "proxy", "engine"))])
+            rows.append([r["concurrency"], *(_f(b[k], "{:.3f}") for k in (*STAGES, "proxy", "engine")), _f(b.get("group"))])
     if rows:
-        print("\nSplice's own breakdown from /metrics, mean ms per turn (proxy = wall time minus engine time):")
-        print(_table(["C", *STAGES, "proxy total", "engine"], rows))
+        print("\nSplice's own breakdown from /metrics, mean ms per turn (proxy = wall time minus engine time;"
+              " turns/commit = turns per store transaction):")
+        print(_table(["C", *STAGES, "proxy total", "engine", "turns/commit"], rows))
     rows = []
     for r in runs:
         for t in targets:
