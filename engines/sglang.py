@@ -17,6 +17,7 @@ import httpx
 
 from engines.client import TokensCallback, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, deadline, expect_dict, token_list, weight_version_spans
+from engines.ids_json import IdsJson
 from engines.images import check_spans, collapse, data_url, in_image, stop_and_ban
 from engines.resume import parse_version
 from engines.weight_transfer import TensorBatch, WeightGroup, sglang_init_body, sglang_update_body
@@ -66,8 +67,10 @@ def generate_payload(
     logprob_start_len: int,
     stream: bool,
     images: Sequence[EngineImage] = (),
+    encoded_ids: Any = None,
 ) -> dict[str, Any]:
     """The ``/generate`` body. ``logprob_start_len`` is -1 unless input logprobs are owed.
+    ``encoded_ids``: ``input_ids`` as the body carries them, when already encoded (``IdsJson``).
 
     With ``images`` (spans of the expanded ``input_ids``), each span goes out collapsed to one
     ``<|image_pad|>`` and ``image_data`` lists the images as data URLs in prompt order: SGLang's
@@ -86,7 +89,7 @@ def generate_payload(
             "stream": bool(stream),
         }
     return {
-        "input_ids": token_list(input_ids),
+        "input_ids": token_list(input_ids) if encoded_ids is None else encoded_ids,
         "sampling_params": sampling_payload(params),
         "return_logprob": True,
         "logprob_start_len": int(logprob_start_len),
@@ -208,6 +211,7 @@ class SGLangClient:
         self.url = self.http.url
         self.timeout_s = timeout_s
         self.admin_timeout_s = admin_timeout_s
+        self.ids_json = IdsJson()  # each session's last long prompt as JSON: the next one appends to it
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -224,8 +228,9 @@ class SGLangClient:
     ) -> Segment:
         start = -1 if input_logprobs_from is None else max(input_logprobs_from - 1, 0)
         payload = generate_payload(
-            input_ids, params, rid=rid, logprob_start_len=start, stream=on_tokens is not None, images=images
-        )
+            input_ids, params, rid=rid, logprob_start_len=start, stream=on_tokens is not None, images=images,
+            encoded_ids=None if images else self.ids_json(routing_key, input_ids),
+        )  # fmt: skip
         headers = {ROUTING_HEADER: routing_value(routing_key)} if routing_key else None
         try:
             if on_tokens is None:

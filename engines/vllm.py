@@ -42,6 +42,7 @@ import httpx
 
 from engines.client import TokensCallback, config_ties_head, model_card, positive_int, prefill_values
 from engines.http import Http, clean_logprob, deadline, expect_dict
+from engines.ids_json import IdsJson
 from engines.resume import parse_version
 from engines.sglang import ROUTING_HEADER, routing_value
 from engines.types import (
@@ -96,6 +97,7 @@ class VLLMClient:
     ):
         self.http = Http(client, url)
         self.url = self.http.url
+        self.ids_json = IdsJson()  # each session's last long prompt as JSON: the next one appends to it
         self.model = model
         self.timeout_s = timeout_s
         self.admin_timeout_s = admin_timeout_s
@@ -120,7 +122,8 @@ class VLLMClient:
         headers = {ROUTING_HEADER: routing_value(routing_key)} if routing_key else None
         if images:
             return await self._generate_images(input_ids, params, images, rid, echo, on_tokens, headers)
-        payload = completion_payload(input_ids, params, model=self.model, echo=echo, stream=on_tokens is not None)
+        payload = completion_payload(input_ids, params, model=self.model, echo=echo, stream=on_tokens is not None,
+                                     encoded_ids=self.ids_json(routing_key, input_ids))  # fmt: skip
         if on_tokens is None:
             body = await self.http.request("POST", _PATH, body=payload, timeout=self.timeout_s, headers=headers)
             return parse_completion(body, input_ids, echo=echo, replica=self.url)

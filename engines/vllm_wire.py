@@ -28,15 +28,16 @@ TIED_HEAD_WARNING = (
 
 
 def completion_payload(
-    input_ids: list[int], params: SamplingParams, *, model: str, echo: bool, stream: bool
+    input_ids: list[int], params: SamplingParams, *, model: str, echo: bool, stream: bool, encoded_ids: Any = None
 ) -> dict[str, Any]:
-    """The ``/v1/completions`` body. ``max_tokens`` is always sent (vLLM's default is 16)."""
+    """The ``/v1/completions`` body. ``max_tokens`` is always sent (vLLM's default is 16).
+    ``encoded_ids``: ``input_ids`` as the body carries them, when already encoded (``IdsJson``)."""
     body: dict[str, Any] = {}
     if model:
         body["model"] = model
     body.update(
         {
-            "prompt": token_list(input_ids),
+            "prompt": token_list(input_ids) if encoded_ids is None else encoded_ids,
             "max_tokens": int(params.max_new_tokens),
             "temperature": float(params.temperature),
             "top_p": float(params.top_p),

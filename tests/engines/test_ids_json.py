@@ -1,0 +1,92 @@
+"""A session's long prompt is written as JSON once and extended after: the bytes must always be
+those of the ids themselves (the reference: ``json.loads`` of the body against the array)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import orjson
+import respx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines.http_transport import AiohttpTransport
+from engines.ids_json import IdsJson
+from engines.sglang import SGLangClient
+from engines.types import SamplingParams
+
+
+def _body_ids(value) -> list[int]:
+    return json.loads(orjson.dumps({"input_ids": value}, option=orjson.OPT_SERIALIZE_NUMPY))["input_ids"]  # as Http sends it
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["extend", "same", "new", "shorter", "edit"]),
+                                st.integers(0, 40)), min_size=1, max_size=12),
+       dtype=st.sampled_from([np.int32, np.int64]))  # fmt: skip
+def test_every_body_holds_exactly_the_prompt(steps, dtype):
+    enc = IdsJson(min_ids=8, max_bytes=4096)  # small: eviction happens along the way too
+    last: dict[str, np.ndarray] = {}
+    rng = np.random.default_rng(len(steps))
+    for key, how, n in steps:
+        prev = last.get(key, rng.integers(0, 151_000, 10, dtype=dtype))
+        if how == "extend":
+            ids = np.concatenate([prev, rng.integers(0, 151_000, n, dtype=dtype)])
+        elif how == "same":
+            ids = prev.copy()
+        elif how == "shorter":
+            ids = prev[: max(1, prev.size - n)].copy()
+        elif how == "edit":  # same length, one id changed inside the old prefix
+            ids = prev.copy()
+            ids[n % ids.size] = (ids[n % ids.size] + 1) % 151_000
+        else:
+            ids = rng.integers(0, 151_000, 8 + n, dtype=dtype)
+        ids = ids.astype(dtype)
+        assert _body_ids(enc(key, ids)) == ids.tolist()
+        last[key] = ids
+
+
+def test_an_extended_prompt_reuses_the_previous_json_and_a_changed_array_does_not_fool_it():
+    enc = IdsJson(min_ids=4)
+    ids = np.arange(10, dtype=np.int32)
+    assert _body_ids(enc("s", ids)) == list(range(10)) and enc.reused == 0
+    longer = np.concatenate([ids, np.array([7, 8], dtype=np.int32)])
+    assert _body_ids(enc("s", longer)) == [*range(10), 7, 8] and enc.reused == 1
+    longer[0] = 99  # the caller changes its array in place, then sends it again
+    assert _body_ids(enc("s", longer)) == [99, *range(1, 10), 7, 8]
+    assert _body_ids(enc(None, longer)) == longer.tolist()  # no session key: written as it is
+    assert enc("s", [1, 2, 3, 4, 5]) == [1, 2, 3, 4, 5]  # a list (not an array) is written as it is
+
+
+def test_memory_stays_under_its_bound():
+    enc = IdsJson(min_ids=4, max_bytes=10_000)
+    for k in range(100):
+        enc(f"s{k}", np.arange(200, dtype=np.int64))
+    assert enc._bytes <= 10_000 and 0 < len(enc._last) < 100
+
+
+def test_sglang_wire_carries_the_exact_ids_turn_after_turn():
+    """Two turns of one session against an SGLang-shaped reply: each /generate body holds the
+    turn's exact prompt, and the second was written by extending the first."""
+    url = "http://sglang-ids:30000"
+    prompt = np.arange(5000, dtype=np.int32) % 1500
+    reply = {"text": "", "output_ids": [5], "meta_info": {"finish_reason": {"type": "stop", "matched": 5},
+             "output_token_logprobs": [[-0.1, 5, None]], "prompt_tokens": 0, "completion_tokens": 1}}  # fmt: skip
+
+    async def go():
+        with respx.mock() as router:
+            route = router.post(url + "/generate").mock(return_value=httpx.Response(200, json=reply))
+            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+                client = SGLangClient(http, url)
+                await client.generate(prompt, SamplingParams(max_new_tokens=1), rid="r1", routing_key="sess")
+                second = np.concatenate([prompt, np.array([5, 198, 42], dtype=np.int32)])
+                await client.generate(second, SamplingParams(max_new_tokens=1), rid="r2", routing_key="sess")
+            bodies = [json.loads(call.request.content) for call in route.calls]
+            return client, second, bodies
+
+    client, second, bodies = asyncio.run(go())
+    assert [b["input_ids"] for b in bodies] == [prompt.tolist(), second.tolist()]
+    assert client.ids_json.reused == 1
