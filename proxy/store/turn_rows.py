@@ -43,32 +43,14 @@ def row_tokens(row, prompt: np.ndarray) -> TurnTokens:
 
 
 def row_record(row, prompt: np.ndarray) -> TurnRecord:
-    (
-        _seq, turn_id, session_id, idx, parent, _base, _base_len, _tail, _n_out,
-        output_ids, logprobs, versions, prox_lp, prox_v, spliced, fork_reason, finish_reason,
-        created_at, sampling, drift, api, response_id, abandoned, image_refs, role,
-    ) = row  # fmt: skip
-    lp, v, plp, pv = token_arrays(logprobs, versions, prox_lp, prox_v)
+    """The record of a row (lists, for the API): its token columns decoded as ``row_tokens`` does."""
+    t = row_tokens(row, prompt)
+    session_id, parent, drift, api, response_id = row[2], row[4], row[19], row[20], row[21]
     return TurnRecord(
-        turn_id=turn_id,
-        session_id=session_id,
-        index=idx,
-        parent_turn_id=parent,
-        prompt_ids=prompt.tolist(),
-        output_ids=unpack_i32(output_ids).tolist(),
-        output_logprobs=lp.tolist(),
-        versions=v.tolist(),
-        proximal_logprobs_t=plp.tolist(),
-        proximal_versions=pv.tolist(),
-        spliced=bool(spliced),
-        fork_reason=fork_reason,
-        finish_reason=finish_reason,
-        created_at=created_at,
-        requested_sampling=orjson.loads(sampling),
-        drift=bool(drift),
-        api=api,
-        response_id=response_id,
-        abandoned=bool(abandoned),
-        images=unpack_refs(image_refs),
-        role=role,
-    )
+        turn_id=t.turn_id, session_id=session_id, index=t.index, parent_turn_id=parent, prompt_ids=prompt.tolist(),
+        output_ids=t.output_ids.tolist(), output_logprobs=t.output_logprobs.tolist(), versions=t.versions.tolist(),
+        proximal_logprobs_t=t.proximal_logprobs_t.tolist(), proximal_versions=t.proximal_versions.tolist(),
+        spliced=t.spliced, fork_reason=t.fork_reason, finish_reason=t.finish_reason, created_at=t.created_at,
+        requested_sampling=t.requested_sampling, drift=bool(drift), api=api, response_id=response_id,
+        abandoned=t.abandoned, images=t.images, role=t.role,
+    )  # fmt: skip
