@@ -196,7 +196,7 @@ def expect_dict(data: Any, replica: str, path: str) -> dict:
 
 
 class Http:
-    """A replica's base URL plus the shared ``httpx.AsyncClient``; every call raises typed errors."""
+    """A replica's base URL on the shared client's aiohttp transport; every call raises typed errors."""
 
     def __init__(self, client: httpx.AsyncClient, base_url: str):
         self.client = client

@@ -90,3 +90,29 @@ def test_sglang_wire_carries_the_exact_ids_turn_after_turn():
     client, second, bodies = asyncio.run(go())
     assert [b["input_ids"] for b in bodies] == [prompt.tolist(), second.tolist()]
     assert client.ids_json.reused == 1
+
+
+def test_vllm_wire_carries_the_exact_ids_turn_after_turn():
+    """The same on vLLM's ``/v1/completions``: each body's ``prompt`` is the turn's exact ids."""
+    from tests.fakes.engines import Step, vllm_reply
+    from engines.vllm import VLLMClient
+
+    url = "http://vllm-ids:8000"
+    prompt = np.arange(6000, dtype=np.int32) % 1700
+    second = np.concatenate([prompt, np.array([11, 198, 7], dtype=np.int32)])
+
+    async def go():
+        with respx.mock() as router:
+            route = router.post(url + "/v1/completions").mock(
+                side_effect=[httpx.Response(200, json=vllm_reply(p.tolist(), Step([(11, -0.5)], finish="length")))
+                             for p in (prompt, second)]
+            )  # fmt: skip
+            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+                client = VLLMClient(http, url, model="tiny")
+                for p in (prompt, second):
+                    await client.generate(p, SamplingParams(max_new_tokens=1), rid="r", routing_key="sess")
+            return client, [json.loads(call.request.content) for call in route.calls]
+
+    client, bodies = asyncio.run(go())
+    assert [b["prompt"] for b in bodies] == [prompt.tolist(), second.tolist()]
+    assert client.ids_json.reused == 1
