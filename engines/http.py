@@ -199,7 +199,6 @@ class Http:
     """A replica's base URL on the shared client's aiohttp transport; every call raises typed errors."""
 
     def __init__(self, client: httpx.AsyncClient, base_url: str):
-        self.client = client
         # ``user:pass@`` in the URL becomes a basic-auth header on every request, and requests go
         # to the URL without it (httpx logs request URLs); every message, error and status shows
         # ``url``, where the password is redacted.

@@ -4,13 +4,11 @@ httpx's own transport (httpcore on anyio, h11 in pure Python) costs about 1.6 ms
 ``/generate`` at one request in flight and 4.5 ms at 64 (its pool scans every connection on each
 request) on a small machine; aiohttp's C-accelerated client does the same request for about
 0.3 ms. Even over aiohttp, httpx's request and response models (URL and header normalisation,
-auth and cookie flows, the response body stream) add about 0.6 ms per call, so the calls on the
-hot path (``/generate`` and the completion calls, plain and streamed) use ``open`` directly:
-aiohttp with the request as bytes, the reply as bytes or lines. Everything else (start-up
-probes, admin calls made by a user-supplied ``httpx.AsyncClient``) goes through httpx.
-Wire-format tests intercept both with ``respx`` (tests/conftest.py routes ``open`` through the
-transport's ``handle_async_request``, which respx patches). ``splice bench overhead`` shows the
-difference end to end.
+auth and cookie flows, the response body stream) add about 0.6 ms per call, so every engine call
+(``engines.http.Http``) uses ``open`` directly: aiohttp with the request as bytes, the reply as
+bytes or lines. ``handle_async_request`` keeps the transport an httpx transport: it is where
+``respx`` intercepts in wire-format tests (tests/conftest.py routes ``open`` through it) and what
+a pass-through route sends with. ``splice bench overhead`` shows the difference end to end.
 
 Errors come back as the httpx exceptions httpcore would raise, so ``map_transport_error`` sorts
 them the same way: a refused or failed connect is ``ConnectError``, a server that hangs up is

@@ -68,9 +68,6 @@ class TurnWrite(NamedTuple):
     write: Callable[[sqlite3.Connection], None]
     committed: Callable[[], None]
 
-    def __call__(self, c: sqlite3.Connection) -> None:
-        self.write(c)
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -103,26 +100,26 @@ class TurnTable:
         ``turn.index`` < 0 means "the session's next index", assigned inside the transaction.
         Returns the turn as stored.
         """
-        write = self.prepare(turn, **parts)
+        pending = self.prepare(turn, **parts)
         with self.db.write() as c:
-            write(c)
-        write.committed()
+            pending.write(c)
+        pending.committed()
         return turn
 
     async def add_grouped(self, turn: TurnRecord, *, on_lost: Callable[[], None], **parts) -> TurnRecord:
         """``add`` through the group commit (proxy/store/group_commit.py), for the event loop.
         Cancelled before its group's flush, nothing is stored; cancelled after it, the turn stays
         stored and ``on_lost()`` runs (it was committed but will not be delivered)."""
-        write = self.prepare(turn, **parts)
-        fut = self.group.submit(write)
+        pending = self.prepare(turn, **parts)
+        fut = self.group.submit(pending.write)
         try:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                write.committed()
+                pending.committed()
                 on_lost()
             raise
-        write.committed()
+        pending.committed()
         return turn
 
     def prepare(
