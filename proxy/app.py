@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -37,6 +38,19 @@ log = logging.getLogger("splice.app")
 def _anthropic_path(path: str) -> bool:
     """Routes under ``/v1/messages`` answer in Anthropic's error shape, unknown ones included."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+TURN_PATHS = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
+
+
+def _turn_endpoints(routers) -> dict:
+    """The agents' turn routes, which the guard calls directly (see ``proxy.guard``)."""
+    found = {
+        r.path: r.endpoint for router in routers for r in router.routes
+        if isinstance(r, APIRoute) and r.path in TURN_PATHS and "POST" in r.methods
+    }  # fmt: skip
+    assert set(found) == set(TURN_PATHS), f"turn routes missing: {set(TURN_PATHS) - set(found)}"
+    return found
 
 
 def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None = None) -> FastAPI:
@@ -87,9 +101,9 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     images = ImageInput.from_settings(settings, getattr(fmt, "vision", None))
     app.state.images = images
 
-    app.include_router(responses_router(runner, store.responses, images))
-    app.include_router(chat_router(runner, images))
-    app.include_router(messages_router(runner, images))
+    turn_routers = (responses_router(runner, store.responses, images), chat_router(runner, images), messages_router(runner, images))
+    for router in turn_routers:
+        app.include_router(router)
     app.include_router(training_router(store, recompute, settings))
     app.include_router(admin_router(store, pool, recompute, metrics, max_pause_s=settings.max_pause_s))
 
@@ -134,7 +148,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
         from .ui import mount_ui
 
         mount_ui(app, store=store, pool=pool, fmt=fmt, metrics=metrics)
-    app.add_middleware(Guard, settings=settings, metrics=metrics)
+    app.add_middleware(Guard, settings=settings, metrics=metrics, direct=_turn_endpoints(turn_routers))
 
     @app.get("/health")
     async def health():
