@@ -85,6 +85,9 @@ class TurnTable:
         self.responses = responses
         self.clock = clock
         self._full_ids = LRU(4_000_000)  # turn seq -> prompt+output ids (int32 array)
+        # turn id -> role: written once, read for every next turn's parent; the column sits at the
+        # end of a wide row, past its token arrays' overflow pages
+        self._roles = LRU(65536, sized=False)
         self._sampling_ids: dict[bytes, int] = {}  # committed samplings rows: a turn's record is usually one of a few
         self.group = GroupCommit(db)
 
@@ -219,6 +222,7 @@ class TurnTable:
                 self._sampling_ids[sampling] = done["sampling_id"]
             # Only after COMMIT: a rolled-back seq may be reused by another turn.
             self._full_ids.put(done["seq"], np.concatenate([prompt, out.astype(I32)]))
+            self._roles.put(turn.turn_id, turn.role)
             if done["resp_seq"] is not None:
                 self.responses.remember(done["resp_seq"], response.conversation)
 
@@ -370,9 +374,15 @@ class TurnTable:
         return None if row is None else (row[0], orjson.loads(row[1]))
 
     def role_of(self, turn_id: str) -> str | None:
+        role = self._roles.get(turn_id)
+        if role is not None:
+            return role
         with self.db.read() as c:
             row = c.execute("SELECT role FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
-        return None if row is None else row[0]
+        if row is None:
+            return None
+        self._roles.put(turn_id, row[0])
+        return row[0]
 
     def latest_summary(self, session_id: str) -> str | None:
         """The id of the session's latest compaction summary turn (``requested_sampling.compaction``)."""

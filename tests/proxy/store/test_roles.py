@@ -76,3 +76,27 @@ def test_the_pull_leaves_side_calls_out_unless_they_are_all_the_episode_has(tmp_
         s.sessions.set_reward("only-aux", 0.0)
         _lease, samples = s.pool.pull(64, 60.0)
     assert sorted((x["session_id"], x["role"]) for x in samples) == [("only-aux", "auxiliary"), ("with-main", "main")]
+
+
+def test_role_of_answers_committed_turns_only_from_memory_or_file(tmp_path):
+    """``role_of`` keeps roles in memory once committed: a turn whose write failed has none,
+    and a fresh store on the same file reads the same roles from disk."""
+    from proxy.store.errors import Conflict
+
+    path = str(tmp_path / "roles.sqlite")
+    with Store(path) as s:
+        s.sessions.upsert("a")
+        s.turns.add(_with_role(build_turn("a", 0, [1, 2, 3], [4, 5]), "subagent"))
+        clash = _with_role(build_turn("a", 0, [1, 2, 3], [4, 5], turn_id="a-other"), "auxiliary")
+        try:
+            s.turns.add(clash)  # same (session, index): rolled back
+        except Conflict:
+            pass
+        else:
+            raise AssertionError("a second turn 0 must not be stored")
+        assert s.turns.role_of("a-t0") == "subagent"
+        assert s.turns.role_of("a-other") is None
+        assert s.turns.role_of("missing") is None
+    with Store(path) as s:
+        assert s.turns.role_of("a-t0") == "subagent"
+        assert s.turns.role_of("a-other") is None
