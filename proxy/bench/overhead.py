@@ -448,4 +448,20 @@ def _print(runs: list[dict], targets: list[dict], n_out: int, litellm_note: str,
                 print(f"C={r['concurrency']} {t['label']}: {s['n_errors']} errors; first: {s['errors'][0][:200]}")
             if s.get("timed_out"):
                 print(f"C={r['concurrency']} {t['label']}: hit --phase-timeout; fewer turns than planned")
+    _print_against_litellm(runs, _table)
     print(f"LiteLLM: {litellm_note}")
+
+
+def _print_against_litellm(runs: list[dict], _table) -> None:
+    """Splice over LiteLLM, same run: ratios carry across machines where absolute ms do not."""
+    rows = []
+    for r in runs:
+        s, lt, chat = r.get("splice") or {}, r.get("litellm") or {}, r["direct_chat"]
+        if not (s.get("turns") and lt.get("turns") and chat.get("turns")):
+            continue
+        cpu = (s.get("cpu_ms_per_turn") or 0) / (lt.get("cpu_ms_per_turn") or float("nan"))
+        added = (s["p50_ms"] - chat["p50_ms"]) / (lt["p50_ms"] - chat["p50_ms"])
+        rows.append([r["concurrency"], _f(cpu), _f(added), _f(s["turns_per_s"] / lt["turns_per_s"])])
+    if rows:
+        print("\nSplice against LiteLLM in this run (x = Splice / LiteLLM):")
+        print(_table(["C", "proxy CPU per turn x", "added p50 x", "turns/s x"], rows))
