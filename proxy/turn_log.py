@@ -86,6 +86,8 @@ class TurnWatch:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        # ``on_tokens`` is a method of this watch: dropped, no cycle keeps the turn's stream alive
+        self.on_tokens = self._inner = None
 
     def finished(self, result, total_s: float, *context) -> None:
         """The line for a committed turn; ``context``: other objects that may carry its role."""

@@ -154,6 +154,16 @@ class TurnRunner:
         return p
 
     async def run(self, req: TurnRequest, on_tokens: TokensCallback | None = None) -> TurnResult:
+        try:
+            return await self._run(req, on_tokens)
+        finally:
+            # A request runs once. Its dialect context holds it and it holds the context's
+            # ``present``: dropping that link lets reference counting free the whole request
+            # (messages, parsed body) at once, instead of leaving a cycle per turn for the
+            # collector, whose full passes then cost tens of milliseconds each.
+            req.present = None
+
+    async def _run(self, req: TurnRequest, on_tokens: TokensCallback | None) -> TurnResult:
         t_start = time.perf_counter()
         chars, kept = message_chars(req.messages)
         if chars > PLAN_INLINE_CHARS:
