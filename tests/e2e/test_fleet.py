@@ -161,7 +161,7 @@ def _check_turn(turn: dict, weights: dict[int, str], *, missing_ok: bool = False
 # -- the tests -----------------------------------------------------------------------------------
 
 
-def test_three_proxies_two_engines_three_publishes_in_flight_then_train(fleet, weights, tmp_path):
+def test_three_proxies_two_engines_three_publishes_in_flight_then_train(fleet, weights, tmp_path_factory):
     proxies, engines = fleet["proxies"], fleet["engines"]
     urls = [p.url for p in proxies]
     statuses = [p.get("/admin/status").json() for p in proxies]
@@ -208,7 +208,9 @@ def test_three_proxies_two_engines_three_publishes_in_flight_then_train(fleet, w
     from trainer_bridge.config import TrainConfig
     from trainer_bridge.train import train
 
-    stats = train(TrainConfig(proxies=urls, model=weights[3], out=str(tmp_path / "train"), steps=1, batch_samples=6,
+    # the step's weights outlive this test: the later tests publish them again (``weights[4]``)
+    train_dir = tmp_path_factory.mktemp("fleet-train")
+    stats = train(TrainConfig(proxies=urls, model=weights[3], out=str(train_dir), steps=1, batch_samples=6,
                               min_samples=6, lr=1e-2, pull_wait_s=5, pull_timeout_s=60, progress=False, max_staleness=None))
     assert len(stats) == 1 and stats[0]["version"] == 4 and stats[0]["n_samples"] == 6
     weights[4] = stats[0]["model_path"]  # v4 is the trainer's own step
