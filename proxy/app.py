@@ -49,7 +49,8 @@ def _turn_endpoints(routers) -> dict:
         r.path: r.endpoint for router in routers for r in router.routes
         if isinstance(r, APIRoute) and r.path in TURN_PATHS and "POST" in r.methods
     }  # fmt: skip
-    assert set(found) == set(TURN_PATHS), f"turn routes missing: {set(TURN_PATHS) - set(found)}"
+    if set(found) != set(TURN_PATHS):
+        raise RuntimeError(f"turn routes missing from the routers: {sorted(set(TURN_PATHS) - set(found))}")
     return found
 
 
