@@ -78,51 +78,45 @@ def messages_to_conversation(messages: list[dict[str, Any]], images: ImageReques
     out: list[Message] = []
     ids: list[str] = []
     for i, m in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}] must be an object", code="invalid_value", param=f"messages[{i}]")
+            raise bad_request(f"{where} must be an object", code="invalid_value", param=where)
         role = m.get("role")
         content = m.get("content")
-        # Plain string content is the common case and needs no part parsing; the location strings
-        # below are built only for messages that need them (they were most of this loop's time).
+        # Plain string content (the common case) needs no content-part parsing.
         if role in ("system", "developer", "user"):
             if content is None:
-                where = f"messages[{i}]"
                 raise bad_request(f"{where} ({role}) needs 'content'", code="missing_required_parameter", param=f"{where}.content")
             if isinstance(content, str):
                 out.append(Message(role=role, content=content))
             else:
                 imgs = images if role == "user" else None
-                out.append(message_of(role, content, f"messages[{i}].content", images=imgs, allow_refusal=False))
+                out.append(message_of(role, content, f"{where}.content", images=imgs, allow_refusal=False))
         elif role == "assistant":
-            calls = _tool_calls_of(m.get("tool_calls"), f"messages[{i}].tool_calls") if m.get("tool_calls") is not None else ()
+            calls = _tool_calls_of(m.get("tool_calls"), f"{where}.tool_calls")
             if m.get("function_call") is not None:
-                where = f"messages[{i}]"
                 raise bad_request(f"{where}.function_call is deprecated and not supported; use tool_calls", code="unsupported_parameter", param=f"{where}.function_call")
             reasoning = m.get("reasoning_content")
             if reasoning is None:
                 reasoning = m.get("reasoning")
             if reasoning is not None and not isinstance(reasoning, str):
-                where = f"messages[{i}]"
                 raise bad_request(f"{where}.reasoning_content must be a string", code="invalid_value", param=f"{where}.reasoning_content")
-            text = content if isinstance(content, str) else text_of(content, f"messages[{i}].content")
+            text = content if isinstance(content, str) else text_of(content, f"{where}.content")
             ids.extend(tc.id for tc in calls)
             out.append(Message(role="assistant", content=text, reasoning=reasoning or None, tool_calls=calls))
         elif role == "tool":
             tcid = m.get("tool_call_id")
             if not isinstance(tcid, str) or not tcid:
-                where = f"messages[{i}]"
                 raise bad_request(f"{where} (tool) needs a 'tool_call_id'", code="missing_required_parameter", param=f"{where}.tool_call_id")
             name = m.get("name") if isinstance(m.get("name"), str) else None
             ids.append(tcid)
             if isinstance(content, str):
                 out.append(Message(role="tool", content=content, tool_call_id=tcid, name=name))
             else:
-                out.append(message_of("tool", content, f"messages[{i}].content", images=images, tool_call_id=tcid, name=name))
+                out.append(message_of("tool", content, f"{where}.content", images=images, tool_call_id=tcid, name=name))
         elif role == "function":
-            where = f"messages[{i}]"
             raise bad_request(f"{where}: the deprecated 'function' role is not supported; use 'tool'", code="unsupported_value", param=f"{where}.role")
         else:
-            where = f"messages[{i}]"
             raise bad_request(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}", code="invalid_value", param=f"{where}.role")
     return name_tool_messages(out), ids
 

@@ -8,7 +8,6 @@ first (which is what made trainers time out in the field).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from engines.pool import EnginePool
+from tests.fakes.serve import serve_in_thread
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -42,8 +42,6 @@ def engine(tmp_path_factory):
 
 
 def _serve(tmp_path, engine, **settings_kw):
-    import uvicorn
-
     from proxy.app import create_app
     from proxy.settings import Settings
     from tokenization import ChatFormat, load_tokenizer
@@ -51,22 +49,7 @@ def _serve(tmp_path, engine, **settings_kw):
     model, url = engine
     app = create_app(Settings(store=str(tmp_path / "s.sqlite"), **settings_kw), fmt=ChatFormat(load_tokenizer(str(model)), "qwen3"),
                      pool=SlowPausePool("sglang", [url], health_interval_s=0))  # fmt: skip
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-    def stop():
-        server.should_exit = True
-        th.join(15)
-        sock.close()
-
-    return base, stop
+    return serve_in_thread(app)
 
 
 def _status(base):

@@ -5,19 +5,16 @@ cycle collector, whose full passes over a busy proxy's garbage cost tens of mill
 from __future__ import annotations
 
 import gc
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from proxy.api.context import DialectContext
 from proxy.app import create_app
 from proxy.session.turn import TurnRequest, TurnResult
 from proxy.settings import Settings
 from tests.fakes.engines import FixedPool
+from tests.fakes.serve import serve_in_thread
 from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir
 
 TURN_TYPES = (TurnRequest, TurnResult, DialectContext)
@@ -31,20 +28,10 @@ def client(tmp_path_factory):
     ids = tok.encode("ok<|im_end|>", add_special_tokens=False)
     store = str(tmp_path_factory.mktemp("store") / "s.sqlite")
     app = create_app(Settings(store=store, max_context=4096), fmt=ChatFormat(tok, "qwen3"), pool=FixedPool(ids))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the proxy did not start"
-        time.sleep(0.05)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+    base, stop = serve_in_thread(app, timeout_s=60)
+    with httpx.Client(base_url=base, timeout=30) as c:
         yield c
-    server.should_exit = True
-    thread.join(30)
+    stop()
 
 
 def _chat(c, stream):
