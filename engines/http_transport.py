@@ -102,11 +102,18 @@ class Reply:
         self._resp.release()
 
 
+KEEPALIVE_S = 4.0
+"""How long an idle engine connection is reused. Below the engines' own keep-alive (vLLM's
+``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` and SGLang's uvicorn both close idle connections after 5 s): a
+request written on a connection the server is closing dies with "Server disconnected", and POSTs
+are not retried. aiohttp's default (15 s) lost a ``/pause`` that way after a 6 s quiet spell."""
+
+
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """One ``aiohttp.ClientSession`` (made on first use, inside the running loop), no connection
     limit (the proxy's admission control bounds what is in flight), HTTP/1.1 keep-alive."""
 
-    def __init__(self, *, keepalive_s: float = 15.0):
+    def __init__(self, *, keepalive_s: float = KEEPALIVE_S):
         self._keepalive_s = keepalive_s
         self._session: aiohttp.ClientSession | None = None
 

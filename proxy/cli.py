@@ -57,6 +57,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--header-timeout-s", type=float, help="time a client has to send its request headers (default 10; then 408)")
     p.add_argument("--body-timeout-s", type=float, help="time a client has to send its whole request body after the headers "
                                                         "(default 60; then 408); a turn takes an admission slot only once its body is read")
+    p.add_argument("--keepalive-s", type=float, help="how long an agent's idle connection is kept open (default 120: "
+                                                     "longer than common clients' pool idle time, so they close first)")
     p.add_argument("--allow-image-urls", action="store_true", default=None,
                    help="fetch http(s) image URLs in requests (default: only inline base64 images; a URL is a 400)")
     p.add_argument("--max-image-bytes", type=int, help="largest encoded image accepted, inline or fetched (default 20 MiB)")
@@ -309,7 +311,7 @@ def _serve(settings: Settings, token_source: str = "as given") -> int:
                 )
 
     try:
-        limits = server_options(settings.max_header_bytes, settings.header_timeout_s)
+        limits = server_options(settings.max_header_bytes, settings.header_timeout_s, settings.keepalive_s)
         server = Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False, **limits))
         server.run()
     finally:

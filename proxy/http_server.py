@@ -141,9 +141,9 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
     return LimitedHttpToolsProtocol
 
 
-def server_options(max_header_bytes: int, header_timeout_s: float) -> dict[str, Any]:
-    """``uvicorn.Config`` keyword arguments that apply the limits."""
+def server_options(max_header_bytes: int, header_timeout_s: float, keepalive_s: float = 120.0) -> dict[str, Any]:
+    """``uvicorn.Config`` keyword arguments that apply the limits and the idle keep-alive."""
     proto = limited_protocol(max_header_bytes, header_timeout_s)
     if proto is not None:
-        return {"http": proto}
-    return {"http": "h11", "h11_max_incomplete_event_size": max_header_bytes}
+        return {"http": proto, "timeout_keep_alive": keepalive_s}
+    return {"http": "h11", "h11_max_incomplete_event_size": max_header_bytes, "timeout_keep_alive": keepalive_s}

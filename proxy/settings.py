@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)  # request line + headers; larger is a 431
     header_timeout_s: float = Field(default=10.0, gt=0)  # headers not complete this long after a connection / request began: 408
     body_timeout_s: float = Field(default=60.0, gt=0)  # the whole body not read this long after the headers: 408
+    # An agent's idle connection is kept this long: past the pool idle time of common clients
+    # (httpx 5 s, Node 4 s, reqwest and Go 90 s), so the client closes first and never writes a
+    # turn on a connection the server is closing.
+    keepalive_s: float = Field(default=120.0, gt=0)
     max_inflight: int = Field(default_factory=lambda: default_max_inflight())  # concurrent turns, then a wait, then 429
     admission_wait_s: float = 2.0  # how long a request beyond max_inflight waits for a slot before 429
     engine_timeout_s: float = 600.0  # total deadline of one engine call (not per read)

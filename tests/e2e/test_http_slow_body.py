@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import orjson
 import pytest
 import uvicorn
 
@@ -36,7 +37,7 @@ def server(tmp_path_factory):
                         admission_wait_s=0.5, body_timeout_s=BODY_TIMEOUT_S)  # fmt: skip
     app = create_app(settings, fmt=ChatFormat(tok, "qwen3"), pool=FixedPool(tok.encode("ok<|im_end|>", add_special_tokens=False)))
     port = free_port()
-    limits = server_options(settings.max_header_bytes, settings.header_timeout_s)
+    limits = server_options(settings.max_header_bytes, settings.header_timeout_s, settings.keepalive_s)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, **limits))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
@@ -128,3 +129,25 @@ def test_disconnect_mid_body_is_an_info_line(server, caplog):
     assert len(gone) == 2 and all(r.levelno == logging.INFO for r in gone), [r.getMessage() for r in caplog.records]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+
+
+def test_an_idle_agent_connection_outlives_the_clients_own_pool_idle_time(server):
+    """An agent thinking for longer than uvicorn's default 5 s keep-alive sends its next turn on
+    the same connection and gets the answer (the server is not the side that closes first)."""
+    url, port = server
+    body = orjson.dumps(CHAT)
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        for i in range(2):
+            if i:
+                time.sleep(6.0)
+            s.sendall(request)
+            with s.makefile("rb") as f:
+                status = f.readline()
+                length = 0
+                while (line := f.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                answer = orjson.loads(f.read(length))
+            assert status.startswith(b"HTTP/1.1 200 "), status
+            assert answer["object"] == "chat.completion"

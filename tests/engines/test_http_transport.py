@@ -106,3 +106,55 @@ def test_request_sends_json_auth_and_headers_and_maps_4xx():
 def test_a_plain_httpx_client_is_refused_with_a_clear_message():
     with pytest.raises(TypeError, match="AiohttpTransport"):
         Http(httpx.AsyncClient(), "http://127.0.0.1:1")
+
+
+async def _ok(request):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"ok": True})
+
+
+def _two_posts_with_a_stall(stall_s: float, **serve) -> bytes:
+    """POST, block the event loop for ``stall_s`` (as a busy caller does), POST again on the
+    same client; the second reply's body. The server is uvicorn, as vLLM's and SGLang's are."""
+    import time
+
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from tests.fakes.serve import serve_in_thread
+
+    keepalive = serve.pop("client_keepalive_s", None)
+    url, stop = serve_in_thread(Starlette(routes=[Route("/pause", _ok, methods=["POST"])]), **serve)
+
+    async def go():
+        transport = AiohttpTransport() if keepalive is None else AiohttpTransport(keepalive_s=keepalive)
+        try:
+            for i in range(2):
+                if i:
+                    time.sleep(stall_s)
+                reply = await transport.open("POST", url + "/pause", content=b"{}", headers={}, connect_s=5, read_s=5)
+                body = await reply.read()
+                reply.close()
+            return body
+        finally:
+            await transport.aclose()
+
+    try:
+        return asyncio.run(go())
+    finally:
+        stop()
+
+
+def test_a_connection_the_engine_closed_while_idle_is_not_reused():
+    """uvicorn's default keep-alive (5 s, what vLLM and SGLang run with) against the client's
+    default: a POST after a quiet spell longer than the server's keep-alive gets its answer."""
+    assert orjson.loads(_two_posts_with_a_stall(5.5)) == {"ok": True}
+
+
+def test_a_client_keep_alive_longer_than_the_servers_loses_the_post():
+    """Why the client's keep-alive is the shorter one: the other way round, the second POST is
+    written on a connection the server has closed, and aiohttp does not retry a POST."""
+    with pytest.raises(httpx.RemoteProtocolError):
+        _two_posts_with_a_stall(1.0, timeout_keep_alive=0.5, client_keepalive_s=2.0)
+    assert orjson.loads(_two_posts_with_a_stall(1.0, timeout_keep_alive=0.5, client_keepalive_s=0.3)) == {"ok": True}

@@ -9,13 +9,14 @@ import time
 from typing import Callable
 
 
-def serve_in_thread(app, timeout_s: float = 30.0) -> tuple[str, Callable[[], None]]:
-    """``(base_url, stop)``. The socket is bound before the thread starts: no port race."""
+def serve_in_thread(app, timeout_s: float = 30.0, **config) -> tuple[str, Callable[[], None]]:
+    """``(base_url, stop)``; ``config`` goes to ``uvicorn.Config``. The socket is bound before the
+    thread starts: no port race."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
