@@ -181,7 +181,9 @@ def _make_hf_forward(name: str):
         return out.transpose(1, 2).contiguous(), None
 
     forward.__name__ = f"{name}_forward"
-    return forward
+    # Never traced into a compiled region (``--compile-layers``): the kernel is already fused,
+    # and the layout's per-sample spans would make every packing a new graph.
+    return torch.compiler.disable(forward)
 
 
 def register() -> None:

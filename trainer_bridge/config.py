@@ -71,7 +71,8 @@ class TrainConfig:
         "(default: on with CUDA, off on CPU)")
     checkpoint_every_k_layers: int = _opt(1, "with activation checkpointing: recompute every k-th decoder layer "
                                           "only (2: half the layers keep their activations, less recompute)")
-    compile_layers: bool = _opt(False, "torch.compile each decoder layer's forward")
+    compile_layers: bool = _opt(False, "torch.compile the parts of each decoder layer (norms, attention projections "
+                                       "and rotary, MLP); attention kernels and checkpointing stay eager")
     optimizer_impl: str = _opt("auto", "AdamW kernel: auto (fused on CUDA, foreach on CPU), fused, foreach, for-loop")
     seed: int = _opt(0, "seed for minibatch shuffling")
 

@@ -93,10 +93,24 @@ def optimizer_impl(config: TrainConfig, device: torch.device) -> dict[str, bool]
     return {"fused": impl == "fused", "foreach": impl == "foreach"}
 
 
+RECOMPILE_LIMIT = 64  # graphs per compiled code object before dynamo silently runs it eagerly
+
+
 def tune_layers(model: nn.Module, config: TrainConfig) -> None:
     """Selective activation checkpointing (every ``k``-th decoder layer recomputes, the others keep
-    their activations) and an optional ``torch.compile`` of each layer's forward (the FSDP hooks
-    and the checkpoint wrapper stay outside the compiled region)."""
+    their activations) and an optional ``torch.compile`` of each decoder layer's parts.
+
+    What is compiled is each direct child of a layer (its norms, its attention module, its MLP),
+    with automatic dynamic shapes (static for the first length, the token dimensions dynamic
+    after). That fuses the memory-bound work around the GEMMs: float32 RMSNorm, rotary, SiLU,
+    casts. Three things stay eager, each because compiling it compiles nothing in practice:
+    - the layer's own forward: transformers wraps it in the checkpoint call, and a graph break
+      inside a compiled checkpoint runs the whole layer eagerly;
+    - the attention kernel (``attention.py`` marks it so): one fused call per sample already,
+      and its per-sample loop would make every new packing a new graph;
+    - FSDP's hooks, which sit on the layer.
+    Micro-batch lengths change every step; after the first few, training never recompiles
+    (tests/trainer/test_train_options.py)."""
     layers = decoder_layers(model)
     every = config.checkpoint_every_k_layers
     if every > 1:
@@ -104,8 +118,12 @@ def tune_layers(model: nn.Module, config: TrainConfig) -> None:
             if hasattr(layer, "gradient_checkpointing") and layer.gradient_checkpointing:
                 layer.gradient_checkpointing = i % every == 0
     if config.compile_layers:
+        # a few graphs per part: with and without grad (the log-prob passes), train and eval mode,
+        # the static first length; above the limit dynamo would fall back to eager without a word
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         for layer in layers:
-            layer.forward = torch.compile(layer.forward)
+            for part in layer.children():
+                part.compile()
 
 
 def sharded_policy(config: TrainConfig, dist: Dist, vision: VisionSettings | None = None) -> Policy:
