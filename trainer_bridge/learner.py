@@ -103,14 +103,12 @@ def tune_layers(model: nn.Module, config: TrainConfig) -> None:
     What is compiled is each direct child of a layer (its norms, its attention module, its MLP),
     with automatic dynamic shapes (static for the first length, the token dimensions dynamic
     after). That fuses the memory-bound work around the GEMMs: float32 RMSNorm, rotary, SiLU,
-    casts. Three things stay eager, each because compiling it compiles nothing in practice:
-    - the layer's own forward: transformers wraps it in the checkpoint call, and a graph break
-      inside a compiled checkpoint runs the whole layer eagerly;
-    - the attention kernel (``attention.py`` marks it so): one fused call per sample already,
-      and its per-sample loop would make every new packing a new graph;
-    - FSDP's hooks, which sit on the layer.
-    Micro-batch lengths change every step; after the first few, training never recompiles
-    (tests/trainer/test_train_options.py)."""
+    casts. The layer's own forward is left alone, so FSDP's hooks and transformers' checkpoint
+    call (both on it) stay outside every compiled region. The attention kernel stays eager
+    (``attention.py`` marks it): one fused call per sample already, and traced, its per-sample
+    spans made every new packing a new graph until dynamo hit its limit and ran the layers
+    eagerly without a word. Micro-batch lengths change every step; after the first few,
+    training never recompiles (tests/trainer/test_train_options.py)."""
     layers = decoder_layers(model)
     every = config.checkpoint_every_k_layers
     if every > 1:
