@@ -141,7 +141,7 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
     return LimitedHttpToolsProtocol
 
 
-def server_options(max_header_bytes: int, header_timeout_s: float, keepalive_s: float = 120.0) -> dict[str, Any]:
+def server_options(max_header_bytes: int, header_timeout_s: float, keepalive_s: float) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments that apply the limits and the idle keep-alive."""
     proto = limited_protocol(max_header_bytes, header_timeout_s)
     if proto is not None:

@@ -6,6 +6,7 @@ a client that disconnects mid-body is one INFO line, no ERROR, no traceback."""
 
 from __future__ import annotations
 
+import http.client
 import logging
 import socket
 import threading
@@ -135,19 +136,17 @@ def test_an_idle_agent_connection_outlives_the_clients_own_pool_idle_time(server
     """An agent thinking for longer than uvicorn's default 5 s keep-alive sends its next turn on
     the same connection and gets the answer (the server is not the side that closes first)."""
     url, port = server
-    body = orjson.dumps(CHAT)
-    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
         for i in range(2):
             if i:
+                first = conn.sock
                 time.sleep(6.0)
-            s.sendall(request)
-            with s.makefile("rb") as f:
-                status = f.readline()
-                length = 0
-                while (line := f.readline()) not in (b"\r\n", b""):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                answer = orjson.loads(f.read(length))
-            assert status.startswith(b"HTTP/1.1 200 "), status
+            conn.request("POST", "/v1/chat/completions", body=orjson.dumps(CHAT), headers={"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            answer = orjson.loads(reply.read())
+            assert reply.status == 200, reply.status
             assert answer["object"] == "chat.completion"
+        assert conn.sock is first  # the same connection both times (http.client does not reconnect)
+    finally:
+        conn.close()

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from engines.http import Http, basic_auth
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import KEEPALIVE_S, AiohttpTransport
 from engines.types import EngineRejected
 
 
@@ -114,9 +114,10 @@ async def _ok(request):
     return JSONResponse({"ok": True})
 
 
-def _two_posts_with_a_stall(stall_s: float, **serve) -> bytes:
+def _two_posts_with_a_stall(stall_s: float, server_keepalive_s: float = 5, client_keepalive_s: float = KEEPALIVE_S) -> bytes:
     """POST, block the event loop for ``stall_s`` (as a busy caller does), POST again on the
-    same client; the second reply's body. The server is uvicorn, as vLLM's and SGLang's are."""
+    same client; the second reply's body. The server is uvicorn (default keep-alive 5 s), as
+    vLLM's and SGLang's are."""
     import time
 
     from starlette.applications import Starlette
@@ -124,11 +125,11 @@ def _two_posts_with_a_stall(stall_s: float, **serve) -> bytes:
 
     from tests.fakes.serve import serve_in_thread
 
-    keepalive = serve.pop("client_keepalive_s", None)
-    url, stop = serve_in_thread(Starlette(routes=[Route("/pause", _ok, methods=["POST"])]), **serve)
+    app = Starlette(routes=[Route("/pause", _ok, methods=["POST"])])
+    url, stop = serve_in_thread(app, timeout_keep_alive=server_keepalive_s)
 
     async def go():
-        transport = AiohttpTransport() if keepalive is None else AiohttpTransport(keepalive_s=keepalive)
+        transport = AiohttpTransport(keepalive_s=client_keepalive_s)
         try:
             for i in range(2):
                 if i:
@@ -156,5 +157,5 @@ def test_a_client_keep_alive_longer_than_the_servers_loses_the_post():
     """Why the client's keep-alive is the shorter one: the other way round, the second POST is
     written on a connection the server has closed, and aiohttp does not retry a POST."""
     with pytest.raises(httpx.RemoteProtocolError):
-        _two_posts_with_a_stall(1.0, timeout_keep_alive=0.5, client_keepalive_s=2.0)
-    assert orjson.loads(_two_posts_with_a_stall(1.0, timeout_keep_alive=0.5, client_keepalive_s=0.3)) == {"ok": True}
+        _two_posts_with_a_stall(1.0, server_keepalive_s=0.5, client_keepalive_s=2.0)
+    assert orjson.loads(_two_posts_with_a_stall(1.0, server_keepalive_s=0.5, client_keepalive_s=0.3)) == {"ok": True}
