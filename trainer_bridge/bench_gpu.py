@@ -113,6 +113,8 @@ class MemorySplit:
 
 
 def run_trainer(model_dir: Path, samples, advantages, args, dist, publish_dir: Path | None) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
     from . import export
     from .config import TrainConfig
     from .learner import build_learner, learner_step
@@ -126,14 +128,19 @@ def run_trainer(model_dir: Path, samples, advantages, args, dist, publish_dir: P
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0,
                            "attn": learner.policy.model.config._attn_implementation}
     mem = MemorySplit(learner.optimizer, dist.device)
-    times = []
+    counters.clear()
+    times, graphs = [], []
     for step in range(1, args.warmup + args.steps + 1):
         _sync(dist.device)
         t = time.perf_counter()
         learner_step(learner, samples, advantages, config, step, version=5)
         _sync(dist.device)
         times.append(time.perf_counter() - t)
+        graphs.append(counters["stats"]["unique_graphs"])
     out.update(step_s=times, **mem.result())
+    if args.compile:  # proof the layers ran compiled: graphs per step, and no frame fell back to eager
+        out.update(compiled_graphs_by_step=graphs, compiled_frames=dict(counters["frames"]),
+                   compile_fallbacks=list(counters["unimplemented"])[:5])
     if args.profile:  # one more step under the profiler: where the time goes
         from torch.profiler import ProfilerActivity, profile
 
