@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 import tempfile
 import time
@@ -117,11 +116,12 @@ def run_trainer(model_dir: Path, samples, advantages, args, dist, publish_dir: P
 
     from . import export
     from .config import TrainConfig
-    from .learner import build_learner, learner_step
+    from .learner import build_learner, compiled_layers, learner_step
 
     config = TrainConfig(proxies=["unused"], model=str(model_dir), micro_batch_tokens=args.micro_batch_tokens,
                          ppo_n_minibatches=1, lr=1e-5, progress=False, attn_implementation=args.attn,
                          compile_layers=args.compile, checkpoint_every_k_layers=args.ac_every)
+    compiled = compiled_layers(config, dist.device)
     t0 = time.perf_counter()
     learner = build_learner(config, dist)
     _sync(dist.device)
@@ -138,7 +138,7 @@ def run_trainer(model_dir: Path, samples, advantages, args, dist, publish_dir: P
         times.append(time.perf_counter() - t)
         graphs.append(counters["stats"]["unique_graphs"])
     out.update(step_s=times, **mem.result())
-    if args.compile:  # proof the layers ran compiled: graphs per step, and no frame fell back to eager
+    if compiled:  # proof the layers ran compiled: graphs per step, and no frame fell back to eager
         out.update(compiled_graphs_by_step=graphs, compiled_frames=dict(counters["frames"]),
                    compile_fallbacks=list(counters["unimplemented"])[:5])
     if args.profile:  # one more step under the profiler: where the time goes
@@ -176,7 +176,7 @@ def run_baseline(model_dir: Path, samples, advantages, args, device: torch.devic
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     mem = MemorySplit(opt, device)
-    micro = pack_micro_batches(samples, advantages, max_tokens=args.micro_batch_tokens, rows="one")
+    micro = pack_micro_batches(samples, advantages, max_tokens=args.baseline_micro_batch_tokens, rows="one")
     n_loss = sum(float(m.loss_mask.sum()) for m in micro)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0}
@@ -252,6 +252,8 @@ def attention_microbench(device: torch.device, length: int, n_samples: int, head
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .config import TrainConfig
+
     ap = argparse.ArgumentParser(prog="python -m trainer_bridge.bench_gpu")
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default="0.6b,4b", help=f"comma-separated shapes: {', '.join(SHAPES)}")
@@ -259,11 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--min-len", type=int, default=2048)
     ap.add_argument("--max-len", type=int, default=16384)
-    ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--micro-batch-tokens", type=int, default=TrainConfig.micro_batch_tokens,
+                    help="the trainer's --micro-batch-tokens")
+    ap.add_argument("--baseline-micro-batch-tokens", type=int, default=8192,
+                    help="the baseline's (its dense masks grow with the square: 8,192 is its fastest)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--attn", default="auto", help="the trainer's --attn-implementation")
-    ap.add_argument("--compile", action="store_true", help="the trainer with --compile-layers")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="the trainer's --compile-layers (default: the trainer's, on with CUDA)")
     ap.add_argument("--ac-every", type=int, default=1, help="the trainer's --checkpoint-every-k-layers")
     ap.add_argument("--profile", type=int, default=0, help="profile one more trainer step: top N ops")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false")

@@ -65,14 +65,15 @@ class TrainConfig:
         "AdamW's first updates are full-size sign steps of pure noise on a small batch")
     ppo_n_minibatches: int = _opt(1, "optimizer steps per training step (the batch is split in this many)")
     micro_batch_tokens: int = _opt(
-        8192, "tokens per forward/backward: samples are packed up to this many (a longer sample runs alone)")
+        16384, "tokens per forward/backward: samples are packed up to this many (a longer sample runs alone)")
     gradient_checkpointing: bool | None = _opt(
         None, "activation checkpointing per decoder layer: recompute activations in backward "
         "(default: on with CUDA, off on CPU)")
     checkpoint_every_k_layers: int = _opt(1, "with activation checkpointing: recompute every k-th decoder layer "
                                           "only (2: half the layers keep their activations, less recompute)")
-    compile_layers: bool = _opt(False, "torch.compile the parts of each decoder layer (norms, attention projections "
-                                       "and rotary, MLP); attention kernels and checkpointing stay eager")
+    compile_layers: bool | None = _opt(
+        None, "torch.compile the parts of each decoder layer (norms, attention projections and rotary, MLP); "
+        "attention kernels and checkpointing stay eager (default: on with CUDA, off on CPU)")
     optimizer_impl: str = _opt("auto", "AdamW kernel: auto (fused on CUDA, foreach on CPU), fused, foreach, for-loop")
     seed: int = _opt(0, "seed for minibatch shuffling")
 

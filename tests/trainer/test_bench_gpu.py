@@ -17,7 +17,7 @@ def test_bench_gpu_on_cpu_writes_every_field(tmp_path, capsys):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "trainer_bridge.bench_gpu", "--out", str(out), "--models", "tiny",
                            "--vocab", "300", "--samples", "3", "--min-len", "8", "--max-len", "40",
-                           "--micro-batch-tokens", "64", "--attn-bench", "96,3,4,2,16", "--workdir", str(tmp_path)],
+                           "--micro-batch-tokens", "64", "--baseline-micro-batch-tokens", "64", "--attn-bench", "96,3,4,2,16", "--workdir", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())

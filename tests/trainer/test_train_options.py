@@ -12,7 +12,7 @@ from splice_trainer_testlib import make_samples
 from trainer_bridge import learner as learner_mod
 from trainer_bridge.config import TrainConfig, build_parser, config_from_argv
 from trainer_bridge.distributed import Dist
-from trainer_bridge.learner import activation_checkpointing, build_learner, compute_dtype
+from trainer_bridge.learner import activation_checkpointing, build_learner, compiled_layers, compute_dtype
 from trainer_bridge.train import prepare_batch, train
 
 
@@ -57,6 +57,11 @@ def test_precision_and_checkpointing_defaults_follow_the_device():
     assert activation_checkpointing(cfg, torch.device("cpu")) is False
     off = config_from_argv(["--proxy", "u", "--model", "m", "--no-gradient-checkpointing"])
     assert activation_checkpointing(off, torch.device("cuda", 0)) is False
+    assert compiled_layers(cfg, torch.device("cuda", 0)) is True
+    assert compiled_layers(cfg, torch.device("cpu")) is False
+    eager = config_from_argv(["--proxy", "u", "--model", "m", "--no-compile-layers"])
+    assert compiled_layers(eager, torch.device("cuda", 0)) is False
+    assert compiled_layers(config_from_argv(["--proxy", "u", "--model", "m", "--compile-layers"]), torch.device("cpu"))
 
 
 def test_help_states_the_defaults():
