@@ -84,7 +84,7 @@ def part_of(raw_frames: list[str]) -> str:
 def busy_samples(path: str) -> Iterator[tuple[list[str], int]]:
     """(raw frames below the thread name, count) of each busy stack in a collapsed-stack file
     (waiting threads dropped)."""
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # py-spy may read a frame mid-update
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
             if not stack or not n.isdigit():

@@ -30,3 +30,13 @@ def test_a_sample_belongs_to_its_innermost_known_part(tmp_path):
     assert total == 57
     assert parts == {"store": 40, "session logic (planner, runner, drift, R2)": 10, "engine client": 7}
     assert "part of the proxy" in top_frames(str(path))
+
+
+def test_a_garbled_frame_does_not_stop_the_report(tmp_path):
+    """py-spy can read a thread's frame while it is being rewritten: a line of bytes that are not
+    UTF-8 (seen in a real recording). It counts as an unknown frame; the report still comes."""
+    path = tmp_path / "p.txt"
+    path.write_bytes(STACKS.encode() + b"MainThread;\xff\xbf\xbf\xbf\xc3\xa4 (\xef\xbf\xbd:17);decode (x.py:1) 3\n")
+    total, _, _ = summarize(str(path))
+    assert total == 53
+    assert "53 busy samples" in top_frames(str(path))
