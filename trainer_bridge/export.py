@@ -108,6 +108,7 @@ def save_engine_dir(model: nn.Module, dist: Dist, src_dir: str | None, out_dir: 
             error = e
     current: dict[str, torch.Tensor] = {}
     index = 0
+    source: torch.device | None = None  # the GPU the asynchronous host copies come from
     try:
         # every rank runs every gather, whatever went wrong on rank 0 (the others would hang)
         t0 = time.perf_counter()
@@ -116,8 +117,10 @@ def save_engine_dir(model: nn.Module, dist: Dist, src_dir: str | None, out_dir: 
             if dist.is_main and error is None:
                 try:
                     current[name] = _to_host(t)
-                    if last_of_bucket:
-                        _wait_for_copies(current)
+                    if t.is_cuda:
+                        source = t.device
+                    if last_of_bucket and source is not None:
+                        torch.cuda.current_stream(source).synchronize()  # the bucket's copies have landed
                 except BaseException as e:  # noqa: BLE001 - raised on every rank after the gathers
                     error = e
             del t
@@ -166,21 +169,16 @@ def _result(f: Future) -> BaseException | None:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t``. From a GPU, into pinned memory and asynchronously (the next tensor is
-    gathered meanwhile; :func:`_wait_for_copies` waits once per bucket): a pageable copy goes
-    through the driver's staging buffer at a fraction of the bus's speed, one blocking copy at a
-    time. Pinned blocks come from torch's caching host allocator, so later publishes reuse them."""
-    if t.device.type == "cpu":
-        return t.clone(memory_format=torch.contiguous_format)
+    """A host copy of ``t``. From a GPU, into pinned memory and asynchronously on the device's
+    current stream: the next tensor is gathered meanwhile, and the caller waits once per bucket,
+    before a writer reads it. A pageable copy goes through the driver's staging buffer at a
+    fraction of the bus's speed, one blocking copy at a time. Pinned blocks come from torch's
+    caching host allocator, so later publishes reuse them."""
+    if t.device.type != "cuda":
+        return t.to("cpu", copy=True, memory_format=torch.contiguous_format)
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
-
-
-def _wait_for_copies(tensors: dict[str, torch.Tensor]) -> None:
-    """Block until the bucket's device-to-host copies have landed (before a writer reads them)."""
-    if any(t.is_pinned() for t in tensors.values()):
-        torch.cuda.synchronize()  # the rank's own device (``distributed.setup`` made it current)
 
 
 def _write(tensors: dict[str, torch.Tensor], path: Path) -> None:
