@@ -104,7 +104,7 @@ RECOMPILE_LIMIT = 64  # graphs per compiled code object before dynamo silently r
 
 def tune_layers(model: nn.Module, config: TrainConfig, device: torch.device) -> None:
     """Selective activation checkpointing (every ``k``-th decoder layer recomputes, the others keep
-    their activations) and an optional ``torch.compile`` of each decoder layer's parts.
+    their activations) and ``torch.compile`` of each decoder layer's parts (by default with CUDA).
 
     What is compiled is each direct child of a layer (its norms, its attention module, its MLP),
     with automatic dynamic shapes (static for the first length, the token dimensions dynamic
