@@ -15,6 +15,10 @@ One step on every rank:
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,8 +66,28 @@ def activation_checkpointing(config: TrainConfig, device: torch.device) -> bool:
 
 def compiled_layers(config: TrainConfig, device: torch.device) -> bool:
     """On by default with CUDA: it fuses the memory-bound work around the GEMMs (4B on an H200:
-    8,565 -> 11,809 tokens/s, docs/training.md). Off on CPU, where compiling costs more than it saves."""
-    return device.type == "cuda" if config.compile_layers is None else config.compile_layers
+    8,565 -> 11,809 tokens/s, docs/training.md). Off on CPU, where compiling costs more than it
+    saves. Triton builds its kernel launchers with a C compiler, which CUDA "runtime" images lack:
+    there the default is eager, said once on stderr, rather than a crash in the first step."""
+    if config.compile_layers is not None:
+        return config.compile_layers
+    if device.type != "cuda":
+        return False
+    if c_compiler() is None:
+        _say_no_compiler()
+        return False
+    return True
+
+
+@functools.cache
+def _say_no_compiler() -> None:
+    print("warning: no C compiler for Triton ($CC, gcc or clang): the decoder layers run eagerly, about "
+          "1.4x slower at 4B; install gcc (build-essential), or pass --compile-layers to try anyway", file=sys.stderr)
+
+
+def c_compiler() -> str | None:
+    """The compiler Triton would use: ``$CC``, else gcc, else clang (triton/runtime/build.py)."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
 
 
 def build_learner(config: TrainConfig, dist: Dist) -> Learner:

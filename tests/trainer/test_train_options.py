@@ -64,6 +64,20 @@ def test_precision_and_checkpointing_defaults_follow_the_device():
     assert compiled_layers(config_from_argv(["--proxy", "u", "--model", "m", "--compile-layers"]), torch.device("cpu"))
 
 
+def test_without_a_c_compiler_the_cuda_default_is_eager_and_says_so(monkeypatch, capsys):
+    """Triton needs a C compiler for its launchers; CUDA "runtime" images have none, and there the
+    first compiled step would crash. The default turns eager, with a word; an explicit flag stands."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(learner_mod.shutil, "which", lambda name: None)
+    learner_mod._say_no_compiler.cache_clear()
+    cuda = torch.device("cuda", 0)
+    assert compiled_layers(TrainConfig(proxies=["u"], model="m"), cuda) is False
+    assert "no C compiler for Triton" in capsys.readouterr().err
+    assert compiled_layers(TrainConfig(proxies=["u"], model="m", compile_layers=True), cuda) is True
+    monkeypatch.setenv("CC", "/opt/cc")
+    assert compiled_layers(TrainConfig(proxies=["u"], model="m"), cuda) is True
+
+
 def test_help_states_the_defaults():
     text = build_parser().format_help()
     for needle in ("--missing-proximal", "fallback", "--loss-agg", "seq-mean-token-sum-norm", "--engine-gap-cap",
