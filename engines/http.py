@@ -220,21 +220,33 @@ class Http:
         timeout: float,
         allow_empty: bool = False,
         headers: dict[str, str] | None = None,
+        idempotent: bool = False,
     ) -> Any:
-        """Send one request and return its decoded JSON body (None for an allowed empty body)."""
+        """Send one request and return its decoded JSON body (None for an allowed empty body).
+
+        ``idempotent``: the call may run twice (pause, resume), so a connection that died before
+        the answer (the engine closed it as the request went out, or reset it) is retried once,
+        on a new connection. Other calls are not: the pool decides whether a generation may run
+        again."""
         content = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY) if body is not None else None
         headers = dict(headers or {})
         if content is not None:
             headers["content-type"] = "application/json"
-        try:
-            async with deadline(timeout, self.url, path):
-                reply = await self._open(method, path, content, headers, timeout)
-                try:
-                    status, data = reply.status, await reply.read()
-                finally:
-                    reply.close()
-        except httpx.HTTPError as exc:
-            raise map_transport_error(exc, self.url) from exc
+        for attempt in range(2 if idempotent else 1):
+            try:
+                async with deadline(timeout, self.url, path):
+                    reply = await self._open(method, path, content, headers, timeout)
+                    try:
+                        status, data = reply.status, await reply.read()
+                    finally:
+                        reply.close()
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                if attempt == 0 and idempotent:
+                    continue
+                raise map_transport_error(exc, self.url) from exc
+            except httpx.HTTPError as exc:
+                raise map_transport_error(exc, self.url) from exc
         if status >= 300:
             raise status_error(status, data, self.url, path)
         if allow_empty and not data.strip():

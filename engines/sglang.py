@@ -309,10 +309,12 @@ class SGLangClient:
     # -- admin ----------------------------------------------------------------------------------
 
     async def pause(self) -> None:
-        await self.http.request("POST", "/pause_generation", body={"mode": "abort"}, timeout=self.admin_timeout_s, allow_empty=True)
+        await self.http.request("POST", "/pause_generation", body={"mode": "abort"}, timeout=self.admin_timeout_s,
+                                allow_empty=True, idempotent=True)
 
     async def resume(self) -> None:
-        await self.http.request("POST", "/continue_generation", body={}, timeout=self.admin_timeout_s, allow_empty=True)
+        await self.http.request("POST", "/continue_generation", body={}, timeout=self.admin_timeout_s, allow_empty=True,
+                                idempotent=True)
 
     async def update_weights(self, model_path: str, version: int) -> None:
         body = await self.http.request(

@@ -274,20 +274,22 @@ class VLLMClient:
         )
         return prefill_values(seg, input_ids, start, self.url), None
 
-    async def _dev(self, method: str, path: str, body: dict | None = None, *, timeout: float | None = None):
+    async def _dev(self, method: str, path: str, body: dict | None = None, *, timeout: float | None = None,
+                   idempotent: bool = False):
         """A dev-mode call; a missing route (HTTP 404) becomes ``EngineUnsupported``."""
         try:
-            return await self.http.request(method, path, body=body, timeout=timeout or self.admin_timeout_s, allow_empty=True)
+            return await self.http.request(method, path, body=body, timeout=timeout or self.admin_timeout_s, allow_empty=True,
+                                           idempotent=idempotent)
         except EngineRejected as exc:
             if " HTTP 404:" in str(exc):
                 raise EngineUnsupported(f"{self.url}{path} does not exist: {DEV_MODE_HINT}", replica=self.url) from exc
             raise
 
     async def pause(self) -> None:
-        await self._dev("POST", "/pause?mode=abort")
+        await self._dev("POST", "/pause?mode=abort", idempotent=True)
 
     async def resume(self) -> None:
-        await self._dev("POST", "/resume")
+        await self._dev("POST", "/resume", idempotent=True)
 
     async def update_weights(self, model_path: str, version: int) -> None:
         """Reload weights in place from ``model_path`` (a path on the engine's filesystem, sent

@@ -159,3 +159,61 @@ def test_a_client_keep_alive_longer_than_the_servers_loses_the_post():
     with pytest.raises(httpx.RemoteProtocolError):
         _two_posts_with_a_stall(1.0, server_keepalive_s=0.5, client_keepalive_s=2.0)
     assert orjson.loads(_two_posts_with_a_stall(1.0, server_keepalive_s=0.5, client_keepalive_s=0.3)) == {"ok": True}
+
+
+def _second_call_after_the_server_closed(call) -> None:
+    """A real uvicorn whose keep-alive (0.5 s) is shorter than the client's (2 s); one call, then
+    the event loop blocks 1 s (as a busy caller does) and ``call(client, url)`` runs again: its
+    request goes out on the connection the server has just closed."""
+    import time
+
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from tests.fakes.serve import serve_in_thread
+
+    paths = ["/pause", "/pause_generation", "/continue_generation", "/resume"]
+    url, stop = serve_in_thread(Starlette(routes=[Route(p, _ok, methods=["POST"]) for p in paths]), timeout_keep_alive=0.5)
+
+    async def go():
+        async with httpx.AsyncClient(transport=AiohttpTransport(keepalive_s=2.0)) as client:
+            await call(client, url)
+            time.sleep(1.0)
+            await call(client, url)
+
+    try:
+        asyncio.run(go())
+    finally:
+        stop()
+
+
+def test_an_idempotent_call_is_retried_on_a_connection_the_engine_closed():
+    """pause/resume may run twice, so a connection that died before the answer costs one retry,
+    not a failed weight update; a call that is not marked idempotent still fails (the pool
+    decides whether a generation runs again)."""
+    from engines.sglang import SGLangClient
+    from engines.types import EngineUnavailable
+    from engines.vllm import VLLMClient
+
+    async def plain(client, url):
+        await Http(client, url).request("POST", "/pause", timeout=5, allow_empty=True)
+
+    async def idempotent(client, url):
+        await Http(client, url).request("POST", "/pause", timeout=5, allow_empty=True, idempotent=True)
+
+    with pytest.raises(EngineUnavailable, match="RemoteProtocolError"):
+        _second_call_after_the_server_closed(plain)
+    _second_call_after_the_server_closed(idempotent)
+
+    async def sglang_pause_resume(client, url):
+        engine = SGLangClient(client, url)
+        await engine.pause()
+        await engine.resume()
+
+    async def vllm_pause_resume(client, url):
+        engine = VLLMClient(client, url)
+        await engine.pause()
+        await engine.resume()
+
+    _second_call_after_the_server_closed(sglang_pause_resume)
+    _second_call_after_the_server_closed(vllm_pause_resume)
