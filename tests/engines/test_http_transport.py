@@ -114,10 +114,11 @@ async def _ok(request):
     return JSONResponse({"ok": True})
 
 
-def _two_posts_with_a_stall(stall_s: float, server_keepalive_s: float = 5, client_keepalive_s: float = KEEPALIVE_S) -> bytes:
-    """POST, block the event loop for ``stall_s`` (as a busy caller does), POST again on the
-    same client; the second reply's body. The server is uvicorn (default keep-alive 5 s), as
-    vLLM's and SGLang's are."""
+def _call_twice_with_a_stall(call, stall_s: float, server_keepalive_s: float = 5,
+                             client_keepalive_s: float = KEEPALIVE_S):
+    """``call(client, url)``, then block the event loop for ``stall_s`` (as a busy caller does),
+    then ``call`` again on the same client; the second call's result. The server is uvicorn
+    (default keep-alive 5 s), as vLLM's and SGLang's are."""
     import time
 
     from starlette.applications import Starlette
@@ -125,26 +126,33 @@ def _two_posts_with_a_stall(stall_s: float, server_keepalive_s: float = 5, clien
 
     from tests.fakes.serve import serve_in_thread
 
-    app = Starlette(routes=[Route("/pause", _ok, methods=["POST"])])
+    paths = ["/pause", "/pause_generation", "/continue_generation", "/resume"]
+    app = Starlette(routes=[Route(p, _ok, methods=["POST"]) for p in paths])
     url, stop = serve_in_thread(app, timeout_keep_alive=server_keepalive_s)
 
     async def go():
-        transport = AiohttpTransport(keepalive_s=client_keepalive_s)
-        try:
-            for i in range(2):
-                if i:
-                    time.sleep(stall_s)
-                reply = await transport.open("POST", url + "/pause", content=b"{}", headers={}, connect_s=5, read_s=5)
-                body = await reply.read()
-                reply.close()
-            return body
-        finally:
-            await transport.aclose()
+        async with httpx.AsyncClient(transport=AiohttpTransport(keepalive_s=client_keepalive_s)) as client:
+            await call(client, url)
+            time.sleep(stall_s)
+            return await call(client, url)
 
     try:
         return asyncio.run(go())
     finally:
         stop()
+
+
+async def _raw_post(client, url) -> bytes:
+    """A POST on the transport's direct path (no retry, no error mapping)."""
+    reply = await client._transport.open("POST", url + "/pause", content=b"{}", headers={}, connect_s=5, read_s=5)
+    try:
+        return await reply.read()
+    finally:
+        reply.close()
+
+
+def _two_posts_with_a_stall(stall_s: float, **keepalives) -> bytes:
+    return _call_twice_with_a_stall(_raw_post, stall_s, **keepalives)
 
 
 def test_a_connection_the_engine_closed_while_idle_is_not_reused():
@@ -162,29 +170,9 @@ def test_a_client_keep_alive_longer_than_the_servers_loses_the_post():
 
 
 def _second_call_after_the_server_closed(call) -> None:
-    """A real uvicorn whose keep-alive (0.5 s) is shorter than the client's (2 s); one call, then
-    the event loop blocks 1 s (as a busy caller does) and ``call(client, url)`` runs again: its
-    request goes out on the connection the server has just closed."""
-    import time
-
-    from starlette.applications import Starlette
-    from starlette.routing import Route
-
-    from tests.fakes.serve import serve_in_thread
-
-    paths = ["/pause", "/pause_generation", "/continue_generation", "/resume"]
-    url, stop = serve_in_thread(Starlette(routes=[Route(p, _ok, methods=["POST"]) for p in paths]), timeout_keep_alive=0.5)
-
-    async def go():
-        async with httpx.AsyncClient(transport=AiohttpTransport(keepalive_s=2.0)) as client:
-            await call(client, url)
-            time.sleep(1.0)
-            await call(client, url)
-
-    try:
-        asyncio.run(go())
-    finally:
-        stop()
+    """The server's keep-alive (0.5 s) shorter than the client's (2 s): the second call's request
+    goes out on the connection the server has just closed."""
+    _call_twice_with_a_stall(call, 1.0, server_keepalive_s=0.5, client_keepalive_s=2.0)
 
 
 def test_an_idempotent_call_is_retried_on_a_connection_the_engine_closed():
