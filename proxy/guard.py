@@ -15,9 +15,10 @@ line of defence against anything unexpected.
   a slow or missing body hold no slot and cannot starve real turns. Visible in ``/metrics``
   (``splice_admission_*``).
 - Turns go straight to their endpoint (``direct``: path -> ``async (Request) -> Response``), past
-  the framework's routing, exception-handler and dependency layers: those cost about as much CPU
-  per turn as splicing does, and a turn route has no dependencies, path parameters or handlers
-  the guard does not already apply (its errors are the guard's ``APIError`` answers).
+  the framework's own layers (the guard runs in front of FastAPI: ``proxy.app.SpliceApp``):
+  those cost about as much CPU per turn as splicing does, and a turn route has no dependencies,
+  path parameters or handlers the guard does not already apply (its errors are the guard's
+  ``APIError`` answers).
 - An exception that escapes the app becomes a 500 in the API's error shape (when the response
   has not started) and never reaches the server, which would reset the keep-alive connection.
 """

@@ -54,6 +54,19 @@ class FastTokenizer:
         # times per turn by the renderers' reasoning and header scans (each a slow Python call).
         self._token_ids: dict[str, Any] = {}
         self._texts: dict[tuple, str] = {}
+        # Longer id runs (a turn's output, its tool calls, reasoning) decode through the backend
+        # too: transformers' ``decode`` around the same Rust call costs twice as much, and the
+        # renderers decode several times per turn. Only where the wrapper adds nothing (no
+        # clean-up of spaces) and the texts agree on the probes.
+        self._decoder = None
+        if self._backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            try:
+                probes = [self._backend.encode(p, add_special_tokens=False).ids for p in _PROBES]
+                if all(self._backend.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+                       for ids in probes for skip in (False, True)):  # fmt: skip
+                    self._decoder = self._backend
+            except Exception:
+                self._decoder = None
 
     @property
     def wrapped(self) -> Any:
@@ -110,9 +123,15 @@ class FastTokenizer:
         return out
 
     def decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> str:
-        if args or len(kwargs) > 1 or (kwargs and "skip_special_tokens" not in kwargs) or type(token_ids) is not list \
-                or len(token_ids) > SHORT_DECODE:  # fmt: skip
+        if args or len(kwargs) > 1 or (kwargs and "skip_special_tokens" not in kwargs) or type(token_ids) is not list:
             return self._tok.decode(token_ids, *args, **kwargs)
+        if len(token_ids) > SHORT_DECODE:
+            if self._decoder is not None:
+                try:
+                    return self._decoder.decode(token_ids, skip_special_tokens=kwargs.get("skip_special_tokens", False))
+                except (TypeError, OverflowError):  # ids that are not plain ints: transformers converts them
+                    pass
+            return self._tok.decode(token_ids, **kwargs)
         key = (*token_ids, kwargs.get("skip_special_tokens", False))
         text = self._texts.get(key)
         if text is None:

@@ -45,7 +45,7 @@ import numpy as np
 
 from tokenization import ChatFormat, Message
 from tokenization.bridge import as_list
-from tokenization.conversation import HistoryHash, tools_fingerprint
+from tokenization.conversation import HistoryHash
 from tokenization.vision import ImageError
 
 from ..store.images import ImageRef
@@ -107,7 +107,7 @@ class Plan:
 def fingerprint_keys(hashed: HistoryHash, req: TurnRequest) -> tuple[str, str, str]:
     """Fingerprints of a history: exact (tools + template kwargs), without kwargs, messages only."""
     msgs = hashed.hexdigest()
-    tools = tools_fingerprint(req.tools)
+    tools = req.tools_key
     kwargs = repr(sorted((req.chat_template_kwargs or {}).items()))
     return f"x:{tools}:{kwargs}:{msgs}", f"t:{tools}:{msgs}", f"m:{msgs}"
 
@@ -121,7 +121,7 @@ def digest(key: str, session_id: str | None = None) -> bytes:
 def edit_keys(hashed: HistoryHash, req: TurnRequest) -> list[tuple[tuple[str, ...], str]]:
     """Edit-tolerant fingerprints (``keep`` policy): first with the same tools, then with any
     tools (the edit ``tools``); template kwargs must still match."""
-    tools = tools_fingerprint(req.tools)
+    tools = req.tools_key
     kwargs = repr(sorted((req.chat_template_kwargs or {}).items()))
     forms = hashed.edit_hexdigests()
     if not forms:

@@ -11,11 +11,12 @@ and is committed in the same transaction as the turn. Streaming front ends pass
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Literal, Sequence
 
 from engines.client import TokensCallback
 from engines.types import Generation
-from tokenization.conversation import Message, Tool
+from tokenization.conversation import Message, Tool, tools_fingerprint
 from tokenization.parse import ParsedOutput
 
 __all__ = ["Presentation", "TokensCallback", "TurnRequest", "TurnResult"]
@@ -59,6 +60,12 @@ class TurnRequest:
     role_reason: str | None = None  # why the session layer chose the role (proxy.session.roles)
     compaction: str | None = None  # "summary" / "restart" when the call is part of a compaction (set by the planner)
     compacted_from: str | None = None  # the summary turn a Splice compaction item named (Responses API)
+
+    @cached_property
+    def tools_key(self) -> str:
+        """``tools_fingerprint(self.tools)``, computed once: every history fingerprint of the turn
+        (when it is planned, and when its answer is committed) carries it."""
+        return tools_fingerprint(self.tools)
 
 
 @dataclass

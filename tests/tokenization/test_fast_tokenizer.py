@@ -92,3 +92,34 @@ def test_memoised_token_ids_equal_transformers(qwen_tok):
             assert fast.convert_tokens_to_ids(token) == qwen_tok.convert_tokens_to_ids(token)
         assert fast.convert_tokens_to_ids(_SPECIAL) == qwen_tok.convert_tokens_to_ids(_SPECIAL)
     assert "<think>" in fast._token_ids  # asked twice, looked up once
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, 151_668) | st.sampled_from([151644, 151645, 151667, 151668, 198, 271]), min_size=5,
+                    max_size=80),
+       skip=st.sampled_from([None, False, True]))  # fmt: skip
+def test_backend_decode_equals_transformers_decode(qwen_tok, ids, skip):
+    """Runs longer than the memo's go straight to the Rust backend: the text must be
+    transformers' own (a partial UTF-8 sequence, special tokens kept or skipped)."""
+    fast = FastTokenizer(qwen_tok)
+    assert fast._decoder is not None
+    kw = {} if skip is None else {"skip_special_tokens": skip}
+    assert fast.decode(list(ids), **kw) == qwen_tok.decode(list(ids), **kw)
+
+
+def test_decode_of_ids_that_are_not_plain_ints_falls_back_to_transformers(qwen_tok):
+    import numpy as np
+
+    fast = FastTokenizer(qwen_tok)
+    ids = qwen_tok.encode("a tool call: <tool_call>\n{}\n</tool_call> done", add_special_tokens=False)
+    as_numpy = [np.int64(i) for i in ids]
+    assert fast.decode(as_numpy) == qwen_tok.decode(ids)
+    assert fast.decode(np.asarray(ids)) == qwen_tok.decode(ids)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(qwen_tok):
+    import copy
+
+    tok = copy.deepcopy(qwen_tok)
+    tok.clean_up_tokenization_spaces = True  # transformers' wrapper does more than the backend here
+    assert FastTokenizer(tok)._decoder is None
