@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from tokenization import ChatFormat
@@ -24,7 +25,7 @@ from .api.messages_errors import anthropic_error
 from .api.responses import responses_router
 from .api.training import training_router
 from .errors import APIError, error_body
-from .guard import Guard
+from .guard import ClientGone, Guard
 from .metrics import Metrics
 from .session import RecomputeScheduler, TurnRunner
 from .session.drift import DriftChecker
@@ -161,6 +162,10 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
+        # Starlette answers with this, then re-raises to the guard in front (proxy.guard), which
+        # logs nothing more for it. A client gone mid-body is no error: the guard logs it as INFO.
+        if isinstance(exc, (ClientGone, ClientDisconnect)):
+            return Response(status_code=499)
         log.exception("unhandled error on %s", request.url.path)
         message = f"internal error: {type(exc).__name__}"
         if _anthropic_path(request.url.path):

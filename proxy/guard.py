@@ -67,23 +67,18 @@ class Admission:
         self.wait_s = max(0.0, float(wait_s))
         self.active = 0
         self._waiters: deque[asyncio.Future] = deque()
-        self.metrics = metrics
-
-    def _gauges(self) -> None:
-        if self.metrics is not None:
-            self.metrics.admission_active.set(self.active)
-            self.metrics.admission_waiting.set(len(self._waiters))
+        if metrics is not None:  # read when /metrics is scraped, not set on every request
+            metrics.admission_active.set_function(lambda: self.active)
+            metrics.admission_waiting.set_function(lambda: len(self._waiters))
 
     async def acquire(self) -> bool:
         if self.active < self.limit and not self._waiters:
             self.active += 1
-            self._gauges()
             return True
         if self.wait_s <= 0:
             return False
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
-        self._gauges()
         try:
             await asyncio.wait_for(fut, self.wait_s)
             return True  # the releasing request handed its slot over
@@ -98,17 +93,14 @@ class Admission:
                 self._waiters.remove(fut)
             except ValueError:
                 pass
-            self._gauges()
 
     def release(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(None)  # the slot moves to the oldest waiter; active is unchanged
-                self._gauges()
                 return
         self.active -= 1
-        self._gauges()
 
 
 class BodyTooLarge(APIError):
@@ -223,7 +215,7 @@ class Guard:
             status = 499  # nginx's "client closed request": nobody is there to answer
             self._client_gone(scope)
         except Exception as exc:  # noqa: BLE001 - the last line: never let the server see it
-            if not isinstance(exc, APIError):
+            if not isinstance(exc, APIError) and endpoint is not None:  # the app's own handler logged the others
                 log.exception("unhandled error on %s %s", scope["method"], path)
             if not started:
                 await _send_error(send_status, exc if isinstance(exc, APIError) else internal_error(exc), anthropic=route == "messages")

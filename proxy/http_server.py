@@ -51,6 +51,7 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
             self._refusing = False
             self._dropped = 0
             self._header_timer: asyncio.TimerHandle | None = None
+            self._header_deadline: float | None = None  # loop time by which the headers must be complete
             self._linger_timer: asyncio.TimerHandle | None = None
 
         # -- header read time ------------------------------------------------------------
@@ -58,17 +59,33 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
             super().connection_made(transport)
             self._arm()
 
+        # One timer per connection at most, not one made and cancelled per request (a keep-alive
+        # connection carries thousands): a request sets its deadline, complete headers clear it,
+        # and the timer, when it fires, either finds no deadline, waits out the one now set, or
+        # answers 408.
         def _arm(self) -> None:
+            if self._header_deadline is None:
+                self._header_deadline = self.loop.time() + header_timeout_s
             if self._header_timer is None:
                 self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
 
         def _disarm(self) -> None:
+            self._header_deadline = None
+
+        def _cancel_timer(self) -> None:
+            self._header_deadline = None
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
 
         def _header_timeout(self) -> None:
             self._header_timer = None
+            if self._header_deadline is None:
+                return  # the headers came in time; the next request arms again
+            left = self._header_deadline - self.loop.time()
+            if left > 0:
+                self._header_timer = self.loop.call_later(left, self._header_timeout)
+                return
             if self._refusing or self.transport.is_closing():
                 return
             self.transport.write(_response(408, b"Request Timeout", f"request headers not received within {header_timeout_s:g} s", "request_timeout"))
@@ -84,7 +101,7 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
             super().on_headers_complete()
 
         def connection_lost(self, exc) -> None:
-            self._disarm()
+            self._cancel_timer()
             if self._linger_timer is not None:
                 self._linger_timer.cancel()
                 self._linger_timer = None
@@ -142,8 +159,13 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
 
 
 def server_options(max_header_bytes: int, header_timeout_s: float, keepalive_s: float) -> dict[str, Any]:
-    """``uvicorn.Config`` keyword arguments that apply the limits and the idle keep-alive."""
+    """``uvicorn.Config`` keyword arguments that apply the limits and the idle keep-alive.
+
+    ``proxy_headers`` off: nothing in Splice reads the client's address (access is by token,
+    the access log is off), so uvicorn's ``X-Forwarded-*`` rewriting would be a layer of work per
+    request for nothing."""
+    common = {"timeout_keep_alive": keepalive_s, "proxy_headers": False}
     proto = limited_protocol(max_header_bytes, header_timeout_s)
     if proto is not None:
-        return {"http": proto, "timeout_keep_alive": keepalive_s}
-    return {"http": "h11", "h11_max_incomplete_event_size": max_header_bytes, "timeout_keep_alive": keepalive_s}
+        return {"http": proto, **common}
+    return {"http": "h11", "h11_max_incomplete_event_size": max_header_bytes, **common}

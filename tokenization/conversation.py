@@ -8,12 +8,18 @@ needs to know that format.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
+
+import orjson
 
 from .vision import ImageInfo
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+_LONG_DIGITS = re.compile(r"\d{19}")
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,11 @@ class ToolCall:
 
     def arguments_value(self) -> Any:
         """Arguments as a JSON value (for comparisons that ignore spacing); the raw text if invalid."""
+        if _LONG_DIGITS.search(self.arguments) is None:  # orjson reads integers past 64 bits as floats
+            try:  # the same values as json's, several times faster (every call in every turn's history)
+                return orjson.loads(self.arguments)
+            except (ValueError, TypeError):  # NaN, Infinity: json reads them
+                pass
         try:
             return json.loads(self.arguments)
         except (ValueError, TypeError):
@@ -194,8 +205,6 @@ EDIT_FORMS: tuple[tuple[tuple[str, ...], dict[str, bool]], ...] = (
 
 
 def _dump(canon: list[Any]) -> bytes:
-    import orjson
-
     try:
         return orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)
     except TypeError:  # e.g. integers wider than 64 bits in tool arguments

@@ -140,6 +140,29 @@ def test_headers_sent_too_slowly_get_a_408_and_the_socket_closes(proxy):
         assert s.recv(65536).startswith(b"HTTP/1.1 408 ")
 
 
+def test_a_keep_alive_connection_gets_the_header_deadline_per_request(proxy):
+    """Requests that each send their headers in time are never cut off, however long the
+    connection lives (here 2.5 header timeouts); a later request that stalls mid-headers gets
+    its 408 one timeout after it began, not sooner."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        f = s.makefile("rb")
+        for _ in range(9):  # every 0.3 s for 2.7 s, with --header-timeout-s 1
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert f.readline().startswith(b"HTTP/1.1 200 ")
+            length = 0
+            while (line := f.readline()) != b"\r\n":
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            f.read(length)
+            time.sleep(0.3)
+        t0 = time.monotonic()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        assert f.readline().startswith(b"HTTP/1.1 408 ")
+        waited = time.monotonic() - t0
+    assert 0.8 <= waited < 5, waited
+
+
 def test_unknown_routes_under_messages_answer_in_anthropic_shape(proxy):
     for method, path, status in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/nope", 404), ("GET", "/v1/messages/count_tokens", 405)):
         r = httpx.request(method, proxy.url + path, json={}, timeout=30)

@@ -75,6 +75,27 @@ def test_beyond_max_inflight_waits_then_gets_429_with_retry_after(tmp_path):
     assert "splice_admission_active 0.0" in metrics and "splice_admission_waiting 0.0" in metrics
 
 
+def test_admission_gauges_show_the_turns_running_and_waiting_while_they_do(tmp_path):
+    """The gauges are read when /metrics is scraped: mid-burst they count what runs and waits."""
+    pool = SlowPool(OK_IDS, delay=0.5)
+    app = _app(tmp_path, pool, max_inflight=2, admission_wait_s=5.0)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as c:
+            turns = [asyncio.create_task(c.post("/v1/chat/completions", json=CHAT, headers={"X-Session-Id": f"s{i}"}))
+                     for i in range(5)]  # fmt: skip
+            await asyncio.sleep(0.25)
+            during = (await c.get("/metrics")).text
+            await asyncio.gather(*turns)
+            after = (await c.get("/metrics")).text
+        return during, after
+
+    during, after = asyncio.run(go())
+    assert "splice_admission_active 2.0" in during and "splice_admission_waiting 3.0" in during
+    assert "splice_admission_active 0.0" in after and "splice_admission_waiting 0.0" in after
+
+
 def test_a_bounded_wait_admits_when_a_slot_frees(tmp_path):
     pool = SlowPool(OK_IDS, delay=0.1)
     app = _app(tmp_path, pool, max_inflight=2, admission_wait_s=5.0)

@@ -4,6 +4,7 @@ work, or a clear engine error; nothing is stored for a refused request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import httpx
@@ -209,7 +210,7 @@ def test_openapi_documents_every_request_body(client):
         assert ref in doc["components"]["schemas"], ref  # nothing dangles
 
 
-def test_an_unexpected_exception_is_a_shaped_500_and_never_reaches_the_server(tmp_path):
+def test_an_unexpected_exception_is_a_shaped_500_and_never_reaches_the_server(tmp_path, caplog):
     c, pool, app = make_client(tmp_path)
 
     @app.get("/boom")
@@ -217,10 +218,14 @@ def test_an_unexpected_exception_is_a_shaped_500_and_never_reaches_the_server(tm
         raise RuntimeError("kaput http://user:hunter2@engine:1/")
 
     with c:
+        caplog.set_level(logging.INFO)
         r = c.get("/boom")
         assert_error(r, 500, "internal_error")
         assert "hunter2" not in r.text
+        errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "/boom" in errors[0].getMessage(), [rec.getMessage() for rec in errors]  # logged once
         assert c.get("/health").status_code == 200
+        assert 'splice_requests_total{route="other",status="500"} 1.0' in c.get("/metrics").text
 
 
 # ---------------------------------------------------------------- engine ids
