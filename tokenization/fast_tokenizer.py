@@ -18,6 +18,10 @@ MEMO_ENTRIES = 4096
 SHORT_DECODE = 4  # id runs this short recur when decoded: markers, newlines, single tokens
 SEGMENT_MEMO_CHARS = 2_000_000  # longer text between control tokens: system prompts and tool lists recur
 
+_SPECIAL_TOKEN_ATTRS = frozenset(
+    f"{kind}_token{suffix}" for kind in ("unk", "eos", "bos", "pad") for suffix in ("", "_id")
+)
+
 _PROBES = (
     "hello world", "Hello.\n\n", '{"a": false}', "e\u0301 caf\u00e9 \u4f60\u597d \U0001f600",
     "<|im_start|>user\nhi<|im_end|>\n", "  spaces\tand\ttabs  ", "<tool_call>\n{}\n</tool_call>",
@@ -153,4 +157,10 @@ class FastTokenizer:
     def __getattr__(self, name: str) -> Any:
         if name == "__call__":  # keep renderers off the per-segment offset probe
             raise AttributeError(name)
-        return getattr(self._tok, name)
+        value = getattr(self._tok, name)
+        if name in _SPECIAL_TOKEN_ATTRS:
+            # Fixed once the tokenizer is loaded, read several times per turn (each reasoning scan
+            # compares against ``unk_token_id``) through transformers' slow properties: kept on
+            # the view, later reads never reach this method.
+            self.__dict__[name] = value
+        return value

@@ -123,3 +123,21 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(qwen_tok
     tok = copy.deepcopy(qwen_tok)
     tok.clean_up_tokenization_spaces = True  # transformers' wrapper does more than the backend here
     assert FastTokenizer(tok)._decoder is None
+
+
+def test_special_token_attributes_are_the_tokenizers_and_read_from_it_once(qwen_tok):
+    fast = FastTokenizer(qwen_tok)
+    names = [f"{k}_token{s}" for k in ("unk", "eos", "bos", "pad") for s in ("", "_id")]
+    assert [getattr(fast, n) for n in names] == [getattr(qwen_tok, n) for n in names]
+    reads = []
+
+    class Counting:
+        def __getattr__(self, name):
+            reads.append(name)
+            return getattr(qwen_tok, name)
+
+    fast._tok = Counting()
+    assert [getattr(fast, n) for n in names] == [getattr(qwen_tok, n) for n in names]  # kept: no read
+    assert fast.model_max_length == qwen_tok.model_max_length  # anything else: read through each time
+    assert fast.model_max_length == qwen_tok.model_max_length
+    assert reads == ["model_max_length", "model_max_length"]
