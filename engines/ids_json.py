@@ -43,7 +43,11 @@ class IdsJson:
             n = prev.size
             if n <= ids.size and np.array_equal(prev, ids[:n]):
                 tail = ids[n:]
-                text = prev_text if not tail.size else prev_text[:-1] + b"," + orjson.dumps(tail, option=_NUMPY)[1:]
+                if tail.size:  # one copy of the long text: ``a[:-1] + b"," + c`` made three (~1 ms at 100k ids)
+                    tail_text = orjson.dumps(tail, option=_NUMPY)
+                    text = b"".join((memoryview(prev_text)[:-1], b",", memoryview(tail_text)[1:]))
+                else:
+                    text = prev_text
                 self.reused += 1
         if text is None:
             text = orjson.dumps(ids, option=_NUMPY)

@@ -77,12 +77,24 @@ def _user_texts(messages: list[Message]):
     return (m.content for m in messages if m.role == "user" and m.content)
 
 
+MARKER_WINDOW = 65536  # characters at each end of a message where a compaction prompt is looked for
+
+
+def _ends(text: str) -> tuple[str, ...]:
+    """The text, or its first and last ``MARKER_WINDOW`` characters when longer: a compaction
+    prompt is a few KB the agent sends as its own message (Codex, Claude Code), while the last
+    user message of a long session may be a 400 KB document that stays in every turn's history."""
+    if len(text) <= 2 * MARKER_WINDOW:
+        return (text,)
+    return text[:MARKER_WINDOW], text[-MARKER_WINDOW:]
+
+
 def compaction_kind(messages: list[Message]) -> Literal["summary", "restart"] | None:
     """``summary``: the request asks for a compaction summary of the history before it (its last
     user message is the compaction prompt); ``restart``: a history restarted from a summary (no
     assistant message, a user message starting with a summary prefix)."""
     last_user = next((m for m in reversed(messages) if m.role == "user"), None)
-    if last_user is not None and any(k in last_user.content for k in SUMMARY_REQUEST_MARKERS):
+    if last_user is not None and any(k in text for text in _ends(last_user.content) for k in SUMMARY_REQUEST_MARKERS):
         if any(m.role == "assistant" for m in messages):
             return "summary"
     if not any(m.role == "assistant" for m in messages):

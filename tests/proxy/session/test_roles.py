@@ -85,3 +85,16 @@ def test_summary_ids_are_carried_even_where_the_text_merges_with_its_neighbours(
     # a summary the restarted history does not hold verbatim is left as rendered
     assert carry_summary(fmt, fmt.render([SYS, Message("user", "Summary: something else")], []), summary_prompt, out) == (
         fmt.render([SYS, Message("user", "Summary: something else")], []), False)
+
+
+def test_a_compaction_prompt_is_found_at_either_end_of_a_long_message():
+    """Markers are looked for in the first and last 64K characters of a long message: where an
+    agent's compaction prompt sits, without scanning a 400 KB document on every turn."""
+    from proxy.session.roles import MARKER_WINDOW, SUMMARY_REQUEST_MARKERS
+
+    marker = SUMMARY_REQUEST_MARKERS[1]
+    doc = "word " * (MARKER_WINDOW // 2)  # 2.5 windows of text
+    for content, kind in ((marker + "\n" + doc, "summary"), (doc + "\n" + marker, "summary"), (marker + " short", "summary"),
+                          (doc[: len(doc) // 2] + marker + doc[len(doc) // 2 :], None), (doc, None)):  # fmt: skip
+        history = [Message("user", "fix it"), Message("assistant", "done"), Message("user", content)]
+        assert compaction_kind(history) == kind, (len(content), kind)
