@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--history-sessions", type=int, default=3, help="long sessions per phase (one at a time)")
     p.add_argument("--profile", metavar="PREFIX",
                    help="sample Splice with py-spy during its phases: PREFIX-cC.txt (collapsed stacks) and the top frames printed")
+    p.add_argument("--profile-gil", action="store_true",
+                   help="with --profile: sample only the thread holding the GIL (Python's own work; in a VM py-spy's "
+                        "idle detection counts some waits as work)")
     p.add_argument("--out")
 
 
@@ -192,7 +195,7 @@ def _stats(res: dict) -> dict:
 
 
 def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, deadline: float, standin_pid: int,
-           profile: str | None = None) -> dict:
+           profile: str | None = None, gil: bool = False) -> dict:
     """One target at one C: load generator run, with proxy CPU and Splice metrics read around it.
 
     The stand-in's and the load generator's CPU are recorded too: on a small machine they compete
@@ -204,7 +207,7 @@ def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, dea
     murl = target.get("metrics_url")
     cpu0, sb0 = (_cpu_seconds(pid) if pid else None), _cpu_seconds(standin_pid)
     m0 = _splice_metrics(murl) if murl else None
-    spy = start_profile(pid, f"{profile}-c{c}.txt") if profile and murl else None
+    spy = start_profile(pid, f"{profile}-c{c}.txt", gil=gil) if profile and murl else None
     res = _loadgen(spec, tmp, timeout=deadline + 120)
     if spy is not None:
         stop_profile(spy)
@@ -237,7 +240,7 @@ def _document(tok, n_tokens: int) -> str:
     return text
 
 
-def _warm_phase(target: dict, spec: dict, tmp: str, timeout: float, profile: str | None = None) -> dict:
+def _warm_phase(target: dict, spec: dict, tmp: str, timeout: float, profile: str | None = None, gil: bool = False) -> dict:
     """A long-session phase: the load generator sends every session's first turn (the history),
     waits, and the proxy's CPU and metrics are read around the turns after it only."""
     import threading
@@ -256,7 +259,7 @@ def _warm_phase(target: dict, spec: dict, tmp: str, timeout: float, profile: str
             return {"lat": [], "wall_s": 0.0, "cpu_s": 0.0, "sessions": 0, "errors": [(ready + proc.stderr.read()).decode(errors="replace")[-400:]]}
         pid, murl = target["pid"], target["metrics_url"]
         cpu0, m0 = _cpu_seconds(pid), _splice_metrics(murl)
-        spy = start_profile(pid, profile) if profile else None
+        spy = start_profile(pid, profile, gil=gil) if profile else None
         out, err = proc.communicate(b"go\n")
         if spy is not None:
             stop_profile(spy)
@@ -283,7 +286,7 @@ def _history_phases(args, tok, base: dict, target: dict, tmp: str) -> list[dict]
                 "sessions_per_worker": args.history_sessions, "deadline_s": args.phase_timeout, "tag": f"hist{n}-{time.time_ns()}"}
         print(f"history {n:,} tokens: {args.history_sessions} session(s) x {args.history_turns} turns (first untimed) ...", flush=True)
         prof = f"{args.profile}-h{n}.txt" if args.profile else None
-        st = _warm_phase(target, spec, tmp, timeout=args.phase_timeout + 600, profile=prof)
+        st = _warm_phase(target, spec, tmp, timeout=args.phase_timeout + 600, profile=prof, gil=args.profile_gil)
         if prof:
             print(top_frames(prof), flush=True)
         st["history_tokens"] = n
@@ -350,7 +353,8 @@ def run(args) -> dict:
             print(f"C={c}: {spw} session(s)/worker x {turns} turns ...", flush=True)
             row = {"concurrency": c, "turns_per_session": turns, "sessions_per_worker": spw}
             for t in targets:
-                row[t["key"]] = _phase(t, c, turns, spw, base, tmp, args.phase_timeout, procs[0].pid, args.profile)
+                row[t["key"]] = _phase(t, c, turns, spw, base, tmp, args.phase_timeout, procs[0].pid, args.profile,
+                                    gil=args.profile_gil)
             if args.profile:
                 print(top_frames(f"{args.profile}-c{c}.txt"), flush=True)
             for k in ("splice", "litellm"):

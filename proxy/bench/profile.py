@@ -22,13 +22,22 @@ def _py_spy() -> str:
     exe = os.environ.get("PY_SPY") or shutil.which("py-spy")
     if not exe:
         raise SystemExit("--profile needs py-spy: pip install py-spy (or set PY_SPY to its path)")
+    if not os.access(exe, os.X_OK):
+        raise SystemExit(f"--profile: {exe} is not executable (chmod +x it)")
     return exe
 
 
-def start_profile(pid: int, out: str, rate: int = 250) -> subprocess.Popen:
-    """``py-spy record`` on ``pid`` until :func:`stop_profile`; collapsed stacks to ``out``."""
-    return subprocess.Popen([_py_spy(), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
-                             "--output", out, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+def start_profile(pid: int, out: str, rate: int = 250, *, gil: bool = False) -> subprocess.Popen:
+    """``py-spy record`` on ``pid`` until :func:`stop_profile`; collapsed stacks to ``out``.
+
+    ``gil``: only samples of the thread holding the GIL, i.e. Python's own work and the native
+    code it calls without releasing the GIL (orjson, numpy, socket writes). What releases the GIL
+    (SQLite statements, hashing large buffers, the tokenizer's Rust code) is left out. Without
+    it py-spy decides from the OS thread state, which in a VM counts some waits as work."""
+    cmd = [_py_spy(), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw", "--output", out, "--nonblocking"]
+    if gil:
+        cmd.append("--gil")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def stop_profile(proc: subprocess.Popen) -> None:

@@ -40,3 +40,37 @@ def test_a_garbled_frame_does_not_stop_the_report(tmp_path):
     total, _, _ = summarize(str(path))
     assert total == 53
     assert "53 busy samples" in top_frames(str(path))
+
+
+def test_py_spy_is_asked_for_gil_samples_only_when_told(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    from proxy.bench.profile import start_profile, stop_profile
+
+    log = tmp_path / "args.txt"
+    fake = tmp_path / "py-spy"
+    fake.write_text(f"#!{sys.executable}\nimport sys, time\nopen({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+                    "time.sleep(0.05)\n")  # fmt: skip
+    fake.chmod(0o755)
+    monkeypatch.setenv("PY_SPY", str(fake))
+    for gil in (False, True):
+        proc = start_profile(os.getpid(), str(tmp_path / "out.txt"), gil=gil)
+        proc.wait(30)
+        stop_profile(proc)
+    plain, with_gil = log.read_text().splitlines()
+    assert "--gil" not in plain.split() and "--gil" in with_gil.split()
+    assert f"--pid {os.getpid()}" in with_gil
+
+
+def test_a_py_spy_that_cannot_run_is_a_clear_error(tmp_path, monkeypatch):
+    import pytest
+
+    from proxy.bench.profile import start_profile
+
+    fake = tmp_path / "py-spy"
+    fake.write_text("")
+    fake.chmod(0o644)
+    monkeypatch.setenv("PY_SPY", str(fake))
+    with pytest.raises(SystemExit, match="not executable"):
+        start_profile(1, str(tmp_path / "out.txt"))
