@@ -221,18 +221,20 @@ class HistoryHash:
 
     SHA-256 (its first 128 bits): a long session's history is hashed on every turn, and with
     the SHA extensions of today's server CPUs it runs about three times as fast as BLAKE2b
-    (0.17 against 0.50 ms for 300 KB). Digests from releases that used BLAKE2b do not match:
-    a header-less session in flight across that upgrade starts a new sample.
+    (0.17 against 0.50 ms for 300 KB). ``legacy=True`` is the BLAKE2b-128 of earlier releases,
+    which the session layer still looks up when nothing matched, so a session recorded before
+    the change continues after it.
     """
 
-    def __init__(self, _h=None, *, edits: bool = False, _edit_hs=None):
+    def __init__(self, _h=None, *, edits: bool = False, legacy: bool = False, _edit_hs=None):
         import hashlib
 
-        self._h = _h or hashlib.sha256()
+        new = (lambda: hashlib.blake2b(digest_size=16)) if legacy else hashlib.sha256
+        self._h = _h or new()
         if _edit_hs is not None:
             self._edit_hs = _edit_hs
         elif edits:
-            self._edit_hs = [hashlib.sha256() for _ in EDIT_FORMS]
+            self._edit_hs = [new() for _ in EDIT_FORMS]
         else:
             self._edit_hs = None
 

@@ -211,6 +211,11 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
             if found is not None:
                 reason, edits = None, names
                 break
+    if found is None:  # recorded by a release that hashed histories with BLAKE2b (HistoryHash)?
+        legacy = HistoryHash(legacy=True).extend(msgs[: last_asst + 1])
+        found, reason, ambiguous = _find(fingerprint_keys(legacy, req), req, lookup)
+        if reason == "tools_changed" and keeps_edits(req):
+            reason, edits = None, ("tools",)
     if found is None:
         hinted = lookup.session_of(req.parent_hint) if req.parent_hint else None
         if hinted is not None:

@@ -179,3 +179,27 @@ def test_a_splice_id_in_the_history_names_its_turn(fmt):
     _first_turn(fmt, lookup, turn_id="b")
     p = plan(_req([USER, ANSWER, Message("user", "?")], hint="a"), lookup, fmt)
     assert p.spliced and p.parent_turn_id == "a" and not p.ambiguous
+
+
+def test_a_turn_recorded_under_the_earlier_history_hash_is_still_continued(fmt):
+    """Releases before SHA-256 stored BLAKE2b-128 history fingerprints: a header-less session
+    recorded then is still found (and spliced) after the upgrade, and its next answer is stored
+    under the current hash."""
+    from tokenization.conversation import HistoryHash
+
+    lookup = MemoryLookup()
+    req0 = _req([USER])
+    p0 = plan(req0, lookup, fmt)
+    out = fmt.tokenizer.encode("The answer is 3.<|im_end|>", add_special_tokens=False)
+    old = HistoryHash(legacy=True).extend(req0.messages)  # what the earlier release stored
+    for fp in answer_fingerprints(old, req0, ANSWER, p0.session_id):
+        lookup.fps.setdefault(fp, []).append(Cand("t0", p0.session_id))
+    lookup.ids["t0"], lookup.sessions["t0"] = (p0.prompt_ids, out), p0.session_id
+    assert not any(answer_fingerprints(HistoryHash().extend(req0.messages), req0, ANSWER, p0.session_id)[i] in lookup.fps
+                   for i in range(3))  # fmt: skip
+    req1 = _req([USER, ANSWER, Message("user", "Sure?")])
+    p1 = plan(req1, lookup, fmt)
+    assert p1.spliced and p1.fork_reason is None and p1.parent_turn_id == "t0" and p1.session_id == p0.session_id
+    lookup.record(req1, p1, "t1", Message("assistant", "Yes."), out)
+    p2 = plan(_req([USER, ANSWER, Message("user", "Sure?"), Message("assistant", "Yes."), Message("user", "Thanks")]), lookup, fmt)
+    assert p2.spliced and p2.parent_turn_id == "t1"
