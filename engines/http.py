@@ -67,15 +67,26 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-@asynccontextmanager
-async def deadline(total_s: float, replica: str, path: str = "") -> AsyncIterator[None]:
+class deadline:
     """The whole body of the ``async with`` must finish within ``total_s`` seconds, else
-    ``EngineTimeout`` (the work inside is cancelled, which closes its connection)."""
-    try:
-        async with asyncio.timeout(total_s):
-            yield
-    except TimeoutError:
-        raise EngineTimeout(f"{replica}{path}: no complete reply within {total_s:g} s", replica=replica) from None
+    ``EngineTimeout`` (the work inside is cancelled, which closes its connection). A plain class
+    rather than a generator-based context manager: every engine call enters one."""
+
+    __slots__ = ("_total_s", "_replica", "_path", "_timeout")
+
+    def __init__(self, total_s: float, replica: str, path: str = ""):
+        self._total_s, self._replica, self._path = total_s, replica, path
+        self._timeout = asyncio.timeout(total_s)
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool | None:
+        try:
+            return await self._timeout.__aexit__(exc_type, exc, tb)
+        except TimeoutError:
+            raise EngineTimeout(f"{self._replica}{self._path}: no complete reply within {self._total_s:g} s",
+                                replica=self._replica) from None
 
 
 def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:

@@ -115,16 +115,9 @@ class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
 
 
-if hasattr(asyncio, "timeout"):  # Python >= 3.11: no task per receive
-
-    async def _within(awaitable, seconds: float):
-        async with asyncio.timeout(seconds):
-            return await awaitable
-
-else:  # pragma: no cover - Python 3.10
-
-    async def _within(awaitable, seconds: float):
-        return await asyncio.wait_for(awaitable, seconds)
+async def _within(awaitable, seconds: float):
+    async with asyncio.timeout(seconds):  # no task per receive, unlike ``wait_for``
+        return await awaitable
 
 
 async def _read_body(receive) -> bytes:
