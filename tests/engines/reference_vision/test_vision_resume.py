@@ -21,14 +21,28 @@ def prompt(oracle, images):
     return oracle.collapsed_ids(text), oracle.expanded(text, images)[0], images
 
 
+def _generating(url: str, timeout_s: float = 60.0) -> None:
+    """Until the engine is stepping a request, then a quarter second more (some tokens out). A
+    fixed sleep alone paused a busy machine's engine before the request arrived: it then waited
+    at the pause gate, and the test waited for it."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(url + "/server_info", timeout=30).json()["active"] < 1:
+        assert time.monotonic() < deadline, "the request never started generating"
+        time.sleep(0.02)
+    time.sleep(0.25)
+
+
 def _interrupt(url: str, send, pause_path: str, resume_path: str):
     """Run ``send()`` in a thread, abort it mid-generation by pausing, then resume the engine."""
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(send)
-        time.sleep(0.25)
-        assert httpx.post(url + pause_path, json={"mode": "abort"} if "generation" in pause_path else None, timeout=30).status_code == 200
-        out = fut.result(timeout=60)
-    assert httpx.post(url + resume_path, json={}, timeout=30).status_code == 200
+        try:
+            _generating(url)
+            assert httpx.post(url + pause_path, json={"mode": "abort"} if "generation" in pause_path else None, timeout=30).status_code == 200
+            out = fut.result(timeout=60)
+        finally:  # never leave the engine paused for the tests after this one
+            resumed = httpx.post(url + resume_path, json={}, timeout=30)
+    assert resumed.status_code == 200
     return out
 
 
@@ -84,7 +98,7 @@ def test_vllm_abort_requests_by_id(vengine, prompt):
             "sampling_params": {"max_tokens": 200, "ignore_eos": True}}
     with ThreadPoolExecutor(1) as ex:
         fut = ex.submit(post, vengine, "/inference/v1/generate", body)
-        time.sleep(0.25)
+        _generating(vengine)
         assert httpx.post(vengine + "/inference/v1/abort_requests", json={"request_ids": ["vl-abort-me"]}, timeout=30).status_code == 200
         choice = fut.result(timeout=60)["choices"][0]
     assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 200
