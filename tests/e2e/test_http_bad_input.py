@@ -142,7 +142,7 @@ def test_headers_sent_too_slowly_get_a_408_and_the_socket_closes(proxy):
 
 def test_a_keep_alive_connection_gets_the_header_deadline_per_request(proxy):
     """Requests that each send their headers in time are never cut off, however long the
-    connection lives (here 2.5 header timeouts); a later request that stalls mid-headers gets
+    connection lives (here 2.7 header timeouts); a later request that stalls mid-headers gets
     its 408 one timeout after it began, not sooner."""
     host, port = proxy.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:

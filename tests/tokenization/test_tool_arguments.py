@@ -7,7 +7,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenization.conversation import ToolCall, fingerprint, Message
+from tokenization.conversation import Message, ToolCall, fingerprint
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
