@@ -203,8 +203,6 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
         return fork(explicit, None, None)
     found, reason, ambiguous = _find(fingerprint_keys(hh, req), req, lookup)
     edits: tuple[str, ...] = ()
-    if reason == "tools_changed" and keeps_edits(req):  # the tool list is not what keep / a compaction forks on
-        reason, edits = None, ("tools",)
     if found is None and hh.edits:
         for names, key in edit_keys(hh, req):
             found, ambiguous = _choose(lookup.candidates(digest(key, req.session_id)), lookup, req.parent_hint)
@@ -214,8 +212,8 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
     if found is None:  # recorded by a release that hashed histories with BLAKE2b (HistoryHash)?
         legacy = HistoryHash(legacy=True).extend(msgs[: last_asst + 1])
         found, reason, ambiguous = _find(fingerprint_keys(legacy, req), req, lookup)
-        if reason == "tools_changed" and keeps_edits(req):
-            reason, edits = None, ("tools",)
+    if reason == "tools_changed" and keeps_edits(req):  # the tool list is not what keep / a compaction forks on
+        reason, edits = None, ("tools",)
     if found is None:
         hinted = lookup.session_of(req.parent_hint) if req.parent_hint else None
         if hinted is not None:
