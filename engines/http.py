@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 import orjson
 
-from engines.http_transport import AiohttpTransport, Reply
+from engines.http_transport import EngineTransport, Reply
 from engines.types import (
     EngineBadResponse,
     EngineError,
@@ -207,7 +207,7 @@ def expect_dict(data: Any, replica: str, path: str) -> dict:
 
 
 class Http:
-    """A replica's base URL on the shared client's aiohttp transport; every call raises typed errors."""
+    """A replica's base URL on the shared client's engine transport (engines/http_transport.py); every call raises typed errors."""
 
     def __init__(self, client: httpx.AsyncClient, base_url: str):
         # ``user:pass@`` in the URL becomes a basic-auth header on every request, and requests go
@@ -217,8 +217,8 @@ class Http:
         self.url = redact_url(base_url.rstrip("/"))
         # Every call goes out on the transport's direct path (engines/http_transport.py).
         transport = getattr(client, "_transport", None)
-        if not isinstance(transport, AiohttpTransport):
-            raise TypeError("engine clients need an httpx.AsyncClient(transport=engines.http_transport.AiohttpTransport())")
+        if not isinstance(transport, EngineTransport):
+            raise TypeError("engine clients need an httpx.AsyncClient(transport=engines.http_transport.EngineTransport())")
         self._direct = transport
         self._auth_headers = {"authorization": basic_auth(*creds)} if creds else {}
 

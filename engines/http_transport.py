@@ -1,161 +1,363 @@
-"""The engine client's wire: ``aiohttp`` under an ``httpx`` transport, and a direct path beside it.
+"""The engine client's wire: keep-alive HTTP/1.1 on asyncio, replies parsed by ``httptools``.
 
-httpx's own transport (httpcore on anyio, h11 in pure Python) costs about 1.6 ms of CPU per
-``/generate`` at one request in flight and 4.5 ms at 64 (its pool scans every connection on each
-request) on a small machine; aiohttp's C-accelerated client does the same request for about
-0.3 ms. Even over aiohttp, httpx's request and response models (URL and header normalisation,
-auth and cookie flows, the response body stream) add about 0.6 ms per call, so every engine call
-(``engines.http.Http``) uses ``open`` directly: aiohttp with the request as bytes, the reply as
-bytes or lines. ``handle_async_request`` keeps the transport an httpx transport: it is where
-``respx`` intercepts in wire-format tests (tests/conftest.py routes ``open`` through it) and what
-a pass-through route sends with. ``splice bench overhead`` shows the difference end to end.
+An engine call is one small JSON POST to a server on the same network, answered by one JSON body
+or a stream of SSE lines. A general client pays for what such a call never needs: httpx's
+transport (httpcore on anyio, h11 in pure Python) cost about 1.6 ms of CPU per ``/generate`` on
+a small machine, aiohttp's about 0.3 ms (its request and response objects, cookie jar, URL
+objects, tracing hooks and payload writers: a tenth of the proxy's CPU per turn). This module is
+what is left: a pool of connections per host, the request written as one buffer, and the reply
+parsed by ``httptools`` (llhttp, the parser uvicorn serves with). What it does not do, engines do
+not need: redirects, cookies, proxies from the environment, compression, HTTP/2.
 
-Errors come back as the httpx exceptions httpcore would raise, so ``map_transport_error`` sorts
-them the same way: a refused or failed connect is ``ConnectError``, a server that hangs up is
-``RemoteProtocolError``, a timeout is a ``TimeoutException``.
+``open`` is the direct path every engine call takes (``engines.http.Http``).
+``handle_async_request`` keeps it an httpx transport: it is where ``respx`` intercepts in
+wire-format tests (tests/conftest.py routes ``open`` through it) and what a plain httpx call on
+the engine client sends with. Errors are the httpx exceptions httpcore would raise, so
+``map_transport_error`` sorts them the same way: a refused or failed connect is ``ConnectError``,
+a server that hangs up is ``RemoteProtocolError``, a timeout is a ``TimeoutException``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from contextlib import contextmanager
-from typing import AsyncIterator, Iterator
+import ssl
+import urllib.parse
+from typing import AsyncIterator, NamedTuple
 
-import aiohttp
+import httptools
 import httpx
-
-CHUNK = 64 * 1024
-_SKIPPED = ("Accept-Encoding", "User-Agent", "Content-Type")  # sent only when the caller gives them
-
-
-@contextmanager
-def _mapped() -> Iterator[None]:
-    try:
-        yield
-    except httpx.HTTPError:
-        raise
-    except aiohttp.ConnectionTimeoutError as exc:
-        raise httpx.ConnectTimeout(str(exc) or "connect timed out") from exc
-    except (aiohttp.ServerTimeoutError, asyncio.TimeoutError) as exc:
-        raise httpx.ReadTimeout(str(exc) or "read timed out") from exc
-    except aiohttp.ClientConnectorError as exc:
-        raise httpx.ConnectError(str(exc)) from exc
-    except aiohttp.ServerDisconnectedError as exc:
-        raise httpx.RemoteProtocolError(str(exc) or "Server disconnected without sending a response") from exc
-    except aiohttp.ClientPayloadError as exc:
-        raise httpx.RemoteProtocolError(str(exc)) from exc
-    except aiohttp.InvalidURL as exc:
-        raise httpx.UnsupportedProtocol(str(exc)) from exc
-    except aiohttp.ClientResponseError as exc:  # a response the parser rejected
-        raise httpx.RemoteProtocolError(str(exc)) from exc
-    except (aiohttp.ClientError, OSError) as exc:
-        raise httpx.ReadError(str(exc) or type(exc).__name__) from exc
-
-
-class _Body(httpx.AsyncByteStream):
-    """The response body, read from aiohttp as it arrives (SSE frames are not held back)."""
-
-    def __init__(self, resp: aiohttp.ClientResponse):
-        self._resp = resp
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _mapped():
-            async for chunk in self._resp.content.iter_chunked(CHUNK):
-                yield chunk
-
-    async def aclose(self) -> None:
-        self._resp.release()  # back to the pool when fully read; closed otherwise
-
-
-class Reply:
-    """An engine's reply on the direct path: the status, then the whole body or its lines.
-    ``close()`` hands a fully read connection back to the pool (and drops one that is not)."""
-
-    def __init__(self, resp: aiohttp.ClientResponse):
-        self._resp = resp
-        self.status = resp.status
-
-    async def read(self) -> bytes:
-        with _mapped():
-            return await self._resp.read()
-
-    async def lines(self) -> AsyncIterator[str]:
-        """The body's lines as they arrive, without their line breaks. Split here rather than
-        with aiohttp's ``readline``, which refuses lines over 128 KiB (a long prompt's echoed
-        logprobs are one SSE line of megabytes)."""
-        pending: list[bytes] = []  # the current line's pieces: joined once, however long it is
-        with _mapped():
-            async for chunk in self._resp.content.iter_chunked(CHUNK):
-                if b"\n" not in chunk:
-                    pending.append(chunk)
-                    continue
-                parts = chunk.split(b"\n")
-                if pending:
-                    parts[0] = b"".join((*pending, parts[0]))
-                pending = [parts.pop()]
-                for part in parts:
-                    yield part.rstrip(b"\r").decode("utf-8", "replace")
-        if last := b"".join(pending):
-            yield last.rstrip(b"\r").decode("utf-8", "replace")
-
-    def close(self) -> None:
-        self._resp.release()
-
 
 KEEPALIVE_S = 4.0
 """How long an idle engine connection is reused. Below the engines' own keep-alive (vLLM's
 ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` and SGLang's uvicorn both close idle connections after 5 s): a
 request written on a connection the server is closing dies with "Server disconnected", and POSTs
-are not retried. aiohttp's default (15 s) lost a ``/pause`` that way after a 6 s quiet spell."""
+are not retried. A 15 s keep-alive lost a ``/pause`` that way after a 6 s quiet spell."""
+
+_READ_AHEAD = 1 << 20  # stop reading from the socket while this much body waits for its reader
+_NO_BODY = frozenset((204, 304))
 
 
-class AiohttpTransport(httpx.AsyncBaseTransport):
-    """One ``aiohttp.ClientSession`` (made on first use, inside the running loop), no connection
-    limit (the proxy's admission control bounds what is in flight), HTTP/1.1 keep-alive."""
+class _Target(NamedTuple):
+    """Where a URL's request goes: the pool key, and the request line's and Host header's parts."""
+
+    key: tuple[str, str, int]  # scheme, host, port
+    target: bytes  # path and query, as sent on the request line
+    host_header: bytes
+
+
+def _target(url: str) -> _Target:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise httpx.UnsupportedProtocol(f"invalid URL {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise httpx.UnsupportedProtocol(f"engine URLs are http:// or https:// with a host, not {url!r}")
+    port = port or (443 if parts.scheme == "https" else 80)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    hostport = parts.netloc.rpartition("@")[2]
+    return _Target((parts.scheme, parts.hostname, port), path.encode("ascii"), hostport.encode("idna"))
+
+
+def _check_header(name: str, value: str) -> None:
+    if "\r" in name or "\n" in name or "\r" in value or "\n" in value or ":" in name:
+        raise httpx.LocalProtocolError(f"invalid header {name!r}: line breaks (or a colon in its name) are not allowed")
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection: at most one request in flight, its reply's events (headers, body
+    pieces, end) waited for with a per-wait read timeout."""
+
+    def __init__(self, key: tuple[str, str, int]):
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.loop = asyncio.get_running_loop()
+        self.closed = False
+        self.idle_since = 0.0
+        self._start()
+
+    def _start(self) -> None:
+        self.status = 0
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.headers_done = self.complete = self.keep_alive = self.until_close = False
+        self.error: Exception | None = None
+        self.in_flight = False
+        self._waiter: asyncio.Future | None = None
+        self._paused = False
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if not self.in_flight:  # nothing was asked: a server talking out of turn is not reused
+            self.error = httpx.RemoteProtocolError("the engine sent data with no request in flight")
+            self.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self.error = httpx.RemoteProtocolError(f"malformed reply from the engine: {exc}")
+            self.close()
+            self._wake()
+            return
+        if self.buffered > _READ_AHEAD and not self._paused and not self.complete:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.in_flight or self.complete:
+            return
+        if self.headers_done and self.until_close and exc is None:
+            self.complete = True  # a body without a length ends with the connection
+        elif self.error is None:
+            self.error = httpx.RemoteProtocolError(
+                "Server disconnected without sending a response" if not self.headers_done
+                else "Server disconnected before the end of the reply"
+            )  # fmt: skip
+        self._wake()
+
+    # -- httptools callbacks
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.headers_done = True
+        if self.status not in _NO_BODY and self.status >= 200:
+            names = {n.lower() for n, _ in self.headers}
+            self.until_close = b"content-length" not in names and b"transfer-encoding" not in names
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
+        self.complete = True
+        self._wake()
+
+    # -- the request side
+    def send(self, head: bytes, content: bytes | None) -> None:
+        self._start()
+        self.in_flight = True
+        if content and len(content) > 65536:
+            self.transport.writelines((head, content))
+        else:
+            self.transport.write(head + content if content else head)
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self, read_s: float | None) -> None:
+        """Until the reply's next event; raises the connection's error or ``ReadTimeout``."""
+        if self.error is None:
+            self._waiter = self.loop.create_future()
+            timer = self.loop.call_later(read_s, self._timed_out) if read_s else None
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        if self.error is not None:
+            raise self.error
+
+    def _timed_out(self) -> None:
+        self.error = httpx.ReadTimeout("the engine sent nothing for longer than the read timeout")
+        self.close()
+        self._wake()
+
+    def take(self) -> bytes:
+        """The body received so far (and reading resumed if it was paused)."""
+        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks, self.buffered = [], 0
+        if self._paused and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and not self.closed and self.error is None and not self.chunks
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Reply:
+    """An engine's reply on the direct path: the status, then the whole body, its pieces or its
+    lines. ``close()`` hands a fully read connection back to the pool (and drops one that is not)."""
+
+    __slots__ = ("_conn", "_pool", "_read_s", "status", "headers", "reason")
+
+    def __init__(self, conn: _Connection, pool: EngineTransport, read_s: float | None):
+        self._conn, self._pool, self._read_s = conn, pool, read_s
+        self.status, self.headers, self.reason = conn.status, conn.headers, conn.reason
+
+    async def read(self) -> bytes:
+        conn = self._conn
+        while not conn.complete:
+            await conn.wait(self._read_s)
+        return conn.take()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (SSE frames are not held back)."""
+        conn = self._conn
+        while True:
+            if conn.chunks:
+                yield conn.take()
+            elif conn.complete:
+                return
+            else:
+                await conn.wait(self._read_s)
+
+    async def lines(self) -> AsyncIterator[str]:
+        """The body's lines as they arrive, without their line breaks. A long prompt's echoed
+        logprobs are one SSE line of megabytes: its pieces are joined once, when it ends."""
+        pending: list[bytes] = []  # the current line's pieces
+        async for chunk in self.chunks():
+            if b"\n" not in chunk:
+                pending.append(chunk)
+                continue
+            parts = chunk.split(b"\n")
+            if pending:
+                parts[0] = b"".join((*pending, parts[0]))
+            pending = [parts.pop()]
+            for part in parts:
+                yield part.rstrip(b"\r").decode("utf-8", "replace")
+        if last := b"".join(pending):
+            yield last.rstrip(b"\r").decode("utf-8", "replace")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._pool.release(self._conn)
+            self._conn = None
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, reply: Reply):
+        self._reply = reply
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._reply.chunks():
+            yield chunk
+
+    async def aclose(self) -> None:
+        self._reply.close()
+
+
+class EngineTransport(httpx.AsyncBaseTransport):
+    """Keep-alive connections per (scheme, host, port), newest reused first; no limit on their
+    number (the proxy's admission control bounds what is in flight); idle ones are dropped after
+    ``keepalive_s``."""
 
     def __init__(self, *, keepalive_s: float = KEEPALIVE_S):
         self._keepalive_s = keepalive_s
-        self._session: aiohttp.ClientSession | None = None
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._targets: dict[str, _Target] = {}
+        self._ssl: ssl.SSLContext | None = None
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s)
-            # No trust_env: aiohttp would read the proxy variables and ~/.netrc on every request
-            # (a tenth of the proxy's CPU under load); engines are reached directly.
-            self._session = aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False)
-        return self._session
+    def _target_of(self, url: str) -> _Target:
+        t = self._targets.get(url)
+        if t is None:
+            if len(self._targets) > 1024:  # engine URLs are a handful; bound a caller that varies queries
+                self._targets.clear()
+            t = self._targets[url] = _target(url)
+        return t
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        t = request.extensions.get("timeout") or {}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.get("connect"), sock_read=t.get("read"))
+    async def _acquire(self, key: tuple[str, str, int], connect_s: float | None) -> _Connection:
+        idle = self._idle.get(key)
+        if idle:
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            while idle:
+                conn = idle.pop()
+                if not conn.closed and now - conn.idle_since < self._keepalive_s:
+                    return conn
+                conn.close()
+        scheme, host, port = key
+        if scheme == "https" and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        tls = self._ssl if scheme == "https" else None
+        loop = asyncio.get_running_loop()
         try:
-            data = request.content or None
-        except httpx.RequestNotRead:  # a streamed upload: read it (engine bodies are JSON in memory)
-            data = await request.aread() or None
-        with _mapped():
-            resp = await self._client().request(
-                request.method, str(request.url), data=data, headers=request.headers.multi_items(),
-                allow_redirects=False, timeout=timeout, skip_auto_headers=_SKIPPED,
-            )  # fmt: skip
-        return httpx.Response(
-            resp.status, headers=resp.raw_headers, stream=_Body(resp), request=request,
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (resp.reason or "").encode()},
-        )  # fmt: skip
+            async with asyncio.timeout(connect_s):
+                _, conn = await loop.create_connection(lambda: _Connection(key), host, port, ssl=tls)
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"no connection to {host}:{port} within {connect_s:g} s") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+        return conn
+
+    def release(self, conn: _Connection) -> None:
+        if conn.reusable():
+            conn.in_flight = False
+            conn.idle_since = asyncio.get_running_loop().time()
+            self._idle.setdefault(conn.key, []).append(conn)
+        else:
+            conn.close()
+
+    async def _send(self, method: str, t: _Target, lines: list[bytes], content: bytes | None,
+                    connect_s: float | None, read_s: float | None) -> Reply:  # fmt: skip
+        head = b"%s %s HTTP/1.1\r\n%b\r\n" % (method.encode("ascii"), t.target, b"".join(lines))
+        conn = await self._acquire(t.key, connect_s)
+        try:
+            try:
+                conn.send(head, content)
+            except (OSError, RuntimeError) as exc:  # the transport is closing under us
+                raise httpx.WriteError(str(exc) or type(exc).__name__) from exc
+            while not conn.headers_done:
+                await conn.wait(read_s)
+        except BaseException:
+            conn.close()
+            raise
+        return Reply(conn, self, read_s)
 
     async def open(
         self, method: str, url: str, *, content: bytes | None, headers: dict[str, str], connect_s: float, read_s: float
     ) -> Reply:
-        """Send one request and return its reply once the status line and headers are in; aiohttp
-        errors come out as the httpx exceptions ``handle_async_request`` raises."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
-        with _mapped():
-            resp = await self._client().request(
-                method, url, data=content, headers=headers, allow_redirects=False, timeout=timeout,
-                skip_auto_headers=_SKIPPED,
-            )  # fmt: skip
-        return Reply(resp)
+        """Send one request and return its reply once the status line and headers are in."""
+        t = self._target_of(url)
+        lines = [b"host: %s\r\n" % t.host_header]
+        for name, value in headers.items():
+            _check_header(name, value)
+            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+        if content is not None or method in ("POST", "PUT", "PATCH"):
+            lines.append(b"content-length: %d\r\n" % len(content or b""))
+        return await self._send(method, t, lines, content, connect_s, read_s)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        t = request.extensions.get("timeout") or {}
+        try:
+            content = request.content
+        except httpx.RequestNotRead:  # a streamed upload: read it (engine bodies are JSON in memory)
+            content = await request.aread()
+        target = self._target_of(str(request.url))
+        lines = [b"%s: %s\r\n" % (k, v) for k, v in request.headers.raw]
+        if content and b"content-length" not in {k.lower() for k, _ in request.headers.raw}:
+            lines.append(b"content-length: %d\r\n" % len(content))
+        reply = await self._send(request.method, target, lines, content or None, t.get("connect"), t.get("read"))
+        return httpx.Response(
+            reply.status, headers=reply.headers, stream=_Body(reply), request=request,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": reply.reason},
+        )  # fmt: skip
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()

@@ -43,7 +43,7 @@ from typing import Any, Literal
 import httpx
 
 from engines.client import EngineClient
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.pool_generate import GenerationMixin
 from engines.pool_routing import RoutingMixin
 from engines.pool_transfer import TransferMixin
@@ -90,7 +90,7 @@ class EnginePool(RoutingMixin, GenerationMixin, WeightsMixin, TransferMixin):
         self.timeout_s = timeout_s
         self.health_interval_s = health_interval_s
         self._owns_http = http_client is None
-        self._http = http_client or httpx.AsyncClient(transport=AiohttpTransport())
+        self._http = http_client or httpx.AsyncClient(transport=EngineTransport())
         self._replicas: dict[str, Replica] = {}
         for url in urls:
             client: EngineClient

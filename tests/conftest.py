@@ -6,7 +6,7 @@ import httpx
 import respx.mocks
 from respx.mocks import HTTPCoreMocker
 
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 
 
 class _HttpxReply:
@@ -36,20 +36,20 @@ async def _open_through_respx(self, method, url, *, content, headers, connect_s,
 
 
 class EngineTransportMocker(HTTPCoreMocker):
-    """respx's default mocker, also patching the engine client's aiohttp transport
+    """respx's default mocker, also patching the engine client's own transport
     (engines/http_transport.py), which never calls httpcore: its httpx transport method, and its
     direct ``open`` routed through that. Only transports are patched, so a test's own ASGI
     client to the proxy app is left alone, as with respx's default."""
 
     name = "httpcore+engines"
-    targets = [*HTTPCoreMocker.targets, "engines.http_transport.AiohttpTransport"]
+    targets = [*HTTPCoreMocker.targets, "engines.http_transport.EngineTransport"]
 
     @classmethod
     def start(cls) -> None:
         if cls._patches:
             return
         super().start()
-        patch = mock.patch.object(AiohttpTransport, "open", _open_through_respx)
+        patch = mock.patch.object(EngineTransport, "open", _open_through_respx)
         patch.start()
         cls._patches.append(patch)
 

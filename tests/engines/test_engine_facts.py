@@ -11,7 +11,7 @@ import pytest
 import respx
 
 from tests.fakes.engines import FakeSGLang, FakeVLLM, Step, until
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.http import redact_url
 from engines.pool import EnginePool, merge_info
 from engines.sglang import SGLangClient
@@ -47,7 +47,7 @@ def test_sglang_info_from_v1_models_and_model_info():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             FakeSGLang(router, A, version="5", context_length=40960, model_path="/ckpt/qwen3", served_model="qwen3-8b")
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 return await SGLangClient(http, A).info()
 
     info = run(go())
@@ -77,7 +77,7 @@ def test_sglang_info_falls_back_to_server_info_and_old_paths():
             router.get(f"{A}/get_server_info").mock(return_value=httpx.Response(200, json={"context_length": 8192}))
             for path in ("/pause_generation", "/continue_generation", "/update_weights_from_disk"):
                 router.get(f"{A}{path}").mock(return_value=httpx.Response(404, json={"detail": "Not Found"}))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 return await SGLangClient(http, A).info()
 
     info = run(go())

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import respx
 
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.sglang import SGLangClient
 from engines.types import EngineBadResponse, EngineRejected, EngineTimeout, EngineUnavailable, SamplingParams
 from engines.vllm import VLLMClient
@@ -25,7 +25,7 @@ async def _generate(side_effect, client_cls=SGLangClient, path="/generate", time
     with respx.mock(assert_all_called=False) as router:
         router.post(URL + path).mock(side_effect=side_effect)
         router.post(URL + "/abort_request").mock(return_value=httpx.Response(200))
-        async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+        async with httpx.AsyncClient(transport=EngineTransport()) as http:
             return await client_cls(http, URL, timeout_s=timeout_s).generate([1, 2], SamplingParams(), rid="r")
 
 
@@ -68,7 +68,7 @@ def test_real_refused_connection_and_real_timeout():
     silent_port = listener.getsockname()[1]
 
     async def go(port, timeout_s):
-        async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+        async with httpx.AsyncClient(transport=EngineTransport()) as http:
             c = SGLangClient(http, f"http://127.0.0.1:{port}", timeout_s=timeout_s)
             c._abort_quietly = _noop  # the silent listener would not answer an abort either
             return await c.generate([1], SamplingParams(), rid="r")

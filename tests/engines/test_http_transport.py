@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from engines.http import Http, basic_auth
-from engines.http_transport import KEEPALIVE_S, AiohttpTransport
+from engines.http_transport import KEEPALIVE_S, EngineTransport
 from engines.types import EngineRejected
 
 
@@ -54,7 +54,7 @@ def test_sse_lines_split_across_any_chunking_including_a_multi_megabyte_line():
 
     async def go():
         runner, url = await _serve(handler)
-        async with httpx.AsyncClient(transport=AiohttpTransport()) as client:
+        async with httpx.AsyncClient(transport=EngineTransport()) as client:
             http = Http(client, url)
             try:
                 async with http.stream("/generate", {"x": 1}, timeout=30) as reply:
@@ -82,7 +82,7 @@ def test_request_sends_json_auth_and_headers_and_maps_4xx():
     async def go():
         runner, url = await _serve(handler)
         bare = url.replace("http://", "http://us%40er:p%3Ass@")
-        async with httpx.AsyncClient(transport=AiohttpTransport()) as client:
+        async with httpx.AsyncClient(transport=EngineTransport()) as client:
             http = Http(client, bare)
             try:
                 ok = await http.request("POST", "/generate", body={"input_ids": [1, 2]}, timeout=30, headers={"X-A": "b"})
@@ -104,7 +104,7 @@ def test_request_sends_json_auth_and_headers_and_maps_4xx():
 
 
 def test_a_plain_httpx_client_is_refused_with_a_clear_message():
-    with pytest.raises(TypeError, match="AiohttpTransport"):
+    with pytest.raises(TypeError, match="EngineTransport"):
         Http(httpx.AsyncClient(), "http://127.0.0.1:1")
 
 
@@ -131,7 +131,7 @@ def _call_twice_with_a_stall(call, stall_s: float, server_keepalive_s: float = 5
     url, stop = serve_in_thread(app, timeout_keep_alive=server_keepalive_s)
 
     async def go():
-        async with httpx.AsyncClient(transport=AiohttpTransport(keepalive_s=client_keepalive_s)) as client:
+        async with httpx.AsyncClient(transport=EngineTransport(keepalive_s=client_keepalive_s)) as client:
             await call(client, url)
             time.sleep(stall_s)
             return await call(client, url)
@@ -205,3 +205,237 @@ def test_an_idempotent_call_is_retried_on_a_connection_the_engine_closed():
 
     _second_call_after_the_server_closed(sglang_pause_resume)
     _second_call_after_the_server_closed(vllm_pause_resume)
+
+
+async def _raw_server(script):
+    """A loopback server speaking raw bytes: ``script(reader, writer)`` per connection. Returns
+    (server, url, peers): ``peers`` lists each accepted connection's client port."""
+    peers: list[int] = []
+
+    async def on_connect(reader, writer):
+        peers.append(writer.get_extra_info("peername")[1])
+        try:
+            await script(reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", peers
+
+
+async def _read_request(reader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    n = next((int(v) for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")) if k.lower() == b"content-length"), 0)
+    return head + (await reader.readexactly(n) if n else b"")
+
+
+def test_keep_alive_reuses_one_connection_and_sends_a_well_formed_request():
+    """Three calls, one connection; the request bytes parse with the standard library's HTTP
+    server parser (an independent reader) into the method, path, headers and body sent."""
+    import http.server
+    import io
+
+    seen: list[bytes] = []
+
+    async def script(reader, writer):
+        while True:
+            try:
+                seen.append(await _read_request(reader))
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\":true}")
+            await writer.drain()
+
+    async def go():
+        server, url, peers = await _raw_server(script)
+        async with server, httpx.AsyncClient(transport=EngineTransport()) as client:
+            http = Http(client, url)
+            out = [await http.request("POST", "/generate?x=1", body={"input_ids": [i]}, timeout=5) for i in range(3)]
+        return out, peers, url
+
+    out, peers, url = asyncio.run(go())
+    assert out == [{"ok": True}] * 3 and len(peers) == 1
+    for i, raw in enumerate(seen):
+        head, _, body = raw.partition(b"\r\n\r\n")
+
+        class Req(http.server.BaseHTTPRequestHandler):
+            def __init__(self):  # parse only: no socket
+                self.rfile, self.wfile = io.BytesIO(head + b"\r\n\r\n"), io.BytesIO()
+                self.raw_requestline = self.rfile.readline()
+                assert self.parse_request()
+
+        req = Req()
+        assert (req.command, req.path, req.request_version) == ("POST", "/generate?x=1", "HTTP/1.1")
+        assert req.headers["Host"] == url.removeprefix("http://")
+        assert req.headers["Content-Type"] == "application/json" and int(req.headers["Content-Length"]) == len(body)
+        assert orjson.loads(body) == {"input_ids": [i]}
+
+
+def test_a_body_that_ends_with_the_connection_is_read_whole_and_the_connection_dropped():
+    async def script(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n")
+        for part in (b"hel", b"lo ", b"world"):
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    async def go():
+        server, url, peers = await _raw_server(script)
+        async with server, httpx.AsyncClient(transport=EngineTransport()) as client:
+            bodies = []
+            for _ in range(2):
+                reply = await client._transport.open("GET", url + "/x", content=None, headers={}, connect_s=5, read_s=5)
+                bodies.append(await reply.read())
+                reply.close()
+        return bodies, peers
+
+    bodies, peers = asyncio.run(go())
+    assert bodies == [b"hello world"] * 2 and len(peers) == 2
+
+
+def _one_call(script, *, timeout: float = 5, **kw):
+    """``Http.request`` against a raw server; the exception it raised (None when it answered)."""
+
+    async def go():
+        server, url, _ = await _raw_server(script)
+        async with server, httpx.AsyncClient(transport=EngineTransport()) as client:
+            try:
+                await Http(client, url).request("POST", "/generate", body={}, timeout=timeout, **kw)
+            except Exception as exc:  # noqa: BLE001 - the test looks at it
+                return exc
+        return None
+
+    return asyncio.run(go())
+
+
+def test_transport_failures_map_to_the_errors_the_pool_fails_over_on():
+    from engines.types import EngineBadResponse, EngineTimeout, EngineUnavailable
+
+    async def hang_up_mid_body(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{\"a\":")
+
+    async def hang_up_at_once(reader, writer):
+        await _read_request(reader)
+
+    async def garbage(reader, writer):
+        await _read_request(reader)
+        writer.write(b"SPDY/9 banana\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def silent(reader, writer):
+        await _read_request(reader)
+        await asyncio.sleep(3)
+
+    async def not_json(reader, writer):
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nabc")
+        await writer.drain()
+
+    for script, kind, text in ((hang_up_mid_body, EngineUnavailable, "before the end of the reply"),
+                               (hang_up_at_once, EngineUnavailable, "without sending a response"),
+                               (garbage, EngineUnavailable, "malformed reply"),
+                               (silent, EngineTimeout, ""),
+                               (not_json, EngineBadResponse, "malformed JSON")):  # fmt: skip
+        exc = _one_call(script, timeout=0.5)
+        assert isinstance(exc, kind) and text in str(exc), (script.__name__, exc)
+
+    async def refused():
+        async with httpx.AsyncClient(transport=EngineTransport()) as client:
+            with pytest.raises(EngineUnavailable, match="ConnectError"):
+                await Http(client, "http://127.0.0.1:1").request("GET", "/x", timeout=5)
+
+    asyncio.run(refused())
+
+
+def test_a_read_timeout_and_a_cancelled_call_leave_no_connection_to_reuse():
+    """The server answers the first request on a connection only after 1 s; a call given up on
+    before that (read timeout, or its task cancelled) must not leave that connection in the
+    pool, or the next call would read the stale answer."""
+    n = 0
+
+    async def script(reader, writer):
+        nonlocal n
+        while True:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            n += 1
+            body = orjson.dumps({"n": n})
+            await asyncio.sleep(1.0 if n <= 2 else 0)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async def go():
+        server, url, peers = await _raw_server(script)
+        async with server, httpx.AsyncClient(transport=EngineTransport()) as client:
+            t = client._transport
+            with pytest.raises(httpx.ReadTimeout):
+                await t.open("POST", url + "/a", content=b"{}", headers={}, connect_s=5, read_s=0.2)
+            task = asyncio.ensure_future(t.open("POST", url + "/b", content=b"{}", headers={}, connect_s=5, read_s=5))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            reply = await t.open("POST", url + "/c", content=b"{}", headers={}, connect_s=5, read_s=5)
+            got = orjson.loads(await reply.read())
+            reply.close()
+        return got, peers
+
+    got, peers = asyncio.run(go())
+    assert got == {"n": 3} and len(peers) == 3
+
+
+def test_a_plain_httpx_call_on_the_transport_and_a_header_with_a_line_break():
+    async def handler(request):
+        return web.Response(body=b"x" * 100_000, headers={"X-Engine": "yes"}, status=201)
+
+    async def go():
+        runner, url = await _serve(handler)
+        try:
+            async with httpx.AsyncClient(transport=EngineTransport()) as client:
+                resp = await client.get(url + "/models")
+                with pytest.raises(httpx.LocalProtocolError):
+                    await client._transport.open("GET", url, content=None, headers={"x": "a\r\nb: c"}, connect_s=5, read_s=5)
+        finally:
+            await runner.cleanup()
+        return resp
+
+    resp = asyncio.run(go())
+    assert resp.status_code == 201 and resp.headers["x-engine"] == "yes" and resp.content == b"x" * 100_000
+    assert resp.reason_phrase == "Created"
+
+
+def test_a_reply_closed_before_its_body_is_read_does_not_go_back_to_the_pool():
+    """``probe`` closes a reply once its status is in. The rest of that body must not be read
+    as the answer to the next request on the same connection."""
+
+    async def script(reader, writer):
+        while True:
+            try:
+                path = (await _read_request(reader)).split(b" ")[1]
+            except asyncio.IncompleteReadError:
+                return
+            body = b'{"path": "%s"}' % path
+            if path == b"/slow":  # half the body now, the rest later
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body[:5]))
+                await writer.drain()
+                await asyncio.sleep(0.3)
+                writer.write(body[5:])
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async def go():
+        server, url, peers = await _raw_server(script)
+        async with server, httpx.AsyncClient(transport=EngineTransport()) as client:
+            http = Http(client, url)
+            assert await http.probe("GET", "/slow") == 200
+            got = await http.request("GET", "/fast", timeout=5)
+        return got, peers
+
+    got, peers = asyncio.run(go())
+    assert got == {"path": "/fast"} and len(peers) == 2

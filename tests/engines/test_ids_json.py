@@ -13,7 +13,7 @@ import respx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.ids_json import IdsJson
 from engines.sglang import SGLangClient
 from engines.types import SamplingParams
@@ -79,7 +79,7 @@ def test_sglang_wire_carries_the_exact_ids_turn_after_turn():
     async def go():
         with respx.mock() as router:
             route = router.post(url + "/generate").mock(return_value=httpx.Response(200, json=reply))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 client = SGLangClient(http, url)
                 await client.generate(prompt, SamplingParams(max_new_tokens=1), rid="r1", routing_key="sess")
                 second = np.concatenate([prompt, np.array([5, 198, 42], dtype=np.int32)])
@@ -107,7 +107,7 @@ def test_vllm_wire_carries_the_exact_ids_turn_after_turn():
                 side_effect=[httpx.Response(200, json=vllm_reply(p.tolist(), Step([(11, -0.5)], finish="length")))
                              for p in (prompt, second)]
             )  # fmt: skip
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 client = VLLMClient(http, url, model="tiny")
                 for p in (prompt, second):
                     await client.generate(p, SamplingParams(max_new_tokens=1), rid="r", routing_key="sess")

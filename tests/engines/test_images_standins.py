@@ -10,7 +10,7 @@ import httpx
 import pytest
 import respx
 
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.pool import EnginePool
 from engines.types import EngineBadResponse, EngineRejected, SamplingParams
 from tests.engines.image_cases import BANNED, BLUE, GREEN, HEAD, RED, TAIL, collapsed, prompt, url
@@ -25,7 +25,7 @@ def run(coro):
 
 
 async def post(url: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+    async with httpx.AsyncClient(transport=EngineTransport()) as http:
         return await http.post(url, json=body)
 
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import respx
 
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.sglang import SGLangClient
 from engines.types import EngineBadResponse, EngineUnsupported, SamplingParams
 from engines.vllm import VLLMClient
@@ -63,7 +63,7 @@ def test_sglang_generate_sends_collapsed_pads_and_data_urls_in_prompt_order():
     async def go():
         with respx.mock() as router:
             route = router.post(f"{S}/generate").mock(return_value=httpx.Response(200, json=sglang_body(len(ids), out)))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 seg = await SGLangClient(http, S).generate(
                     ids, SamplingParams(max_new_tokens=8, banned_token_ids=BANNED), rid="r-1", images=images
                 )
@@ -94,7 +94,7 @@ def test_sglang_text_only_request_has_no_image_or_bias_keys():
             route = router.post(f"{S}/generate").mock(
                 return_value=httpx.Response(200, json=sglang_body(len(ids), [(7, -1.0)]))
             )
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 await SGLangClient(http, S).generate(ids, SamplingParams(max_new_tokens=4), rid="t")
             return route.calls[0].request.content
 
@@ -112,7 +112,7 @@ def test_sglang_prompt_length_mismatch_is_a_clear_non_retryable_error():
         with respx.mock() as router:
             # the engine's processor made 30 pads of the image (other max_pixels)
             router.post(f"{S}/generate").mock(return_value=httpx.Response(200, json=sglang_body(len(ids) + 10, [(5, -1.0)])))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 await SGLangClient(http, S).generate(ids, SamplingParams(), rid="r", images=images)
 
     with pytest.raises(EngineBadResponse) as err:
@@ -141,7 +141,7 @@ def test_sglang_prefill_positions_are_expanded_and_image_ids_read_as_zero(start_
                     200, json=sglang_body(len(ids), [], inputs=inputs, finish={"type": "length", "length": 0})
                 )
             )
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 got = await SGLangClient(http, S).prefill(ids, start, images=images)
             return json.loads(route.calls[0].request.content), got
 
@@ -161,7 +161,7 @@ def test_sglang_misplaced_input_logprob_outside_an_image_still_fails():
             router.post(f"{S}/generate").mock(
                 return_value=httpx.Response(200, json=sglang_body(len(ids), [], inputs=inputs, finish={"type": "length"}))
             )
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 await SGLangClient(http, S).prefill(ids, start, images=images)
 
     with pytest.raises(EngineBadResponse, match="expected"):
@@ -183,7 +183,7 @@ def test_sglang_stream_checks_the_expansion_before_passing_tokens_on():
         with respx.mock() as router:
             router.post(f"{S}/generate").mock(return_value=httpx.Response(200, content=payload))
             router.post(f"{S}/abort_request").mock(return_value=httpx.Response(200))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 await SGLangClient(http, S).generate(ids, SamplingParams(), rid="r", on_tokens=on_tokens, images=images)
 
     with pytest.raises(EngineBadResponse, match="image processor"):
@@ -198,7 +198,7 @@ def test_spans_that_are_not_pad_runs_are_refused_before_sending():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             route = router.post(f"{S}/generate")
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 try:
                     await SGLangClient(http, S).generate(ids, SamplingParams(), rid="r", images=images)
                 finally:
@@ -255,7 +255,7 @@ def test_vllm_images_go_to_inference_generate_with_content_parts():
                 return_value=httpx.Response(200, json=vllm_body(ids, images, out))
             )
             completions = router.post(f"{V}/v1/completions")
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 seg = await VLLMClient(http, V, model="tiny").generate(
                     ids, SamplingParams(max_new_tokens=8, stop=("</s>",), banned_token_ids=BANNED), rid="r-2", images=images
                 )
@@ -294,7 +294,7 @@ def test_vllm_text_only_stays_on_completions_and_carries_the_ban():
     async def go():
         with respx.mock() as router:
             route = router.post(f"{V}/v1/completions").mock(return_value=httpx.Response(200, json=reply))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 client = VLLMClient(http, V, model="tiny")
                 await client.generate(ids, SamplingParams(max_new_tokens=1), rid="")
                 await client.generate(ids, SamplingParams(max_new_tokens=1, banned_token_ids=BANNED), rid="")
@@ -318,7 +318,7 @@ def test_vllm_prefill_with_images_reads_prompt_logprobs_by_token_key():
             route = router.post(f"{V}/inference/v1/generate").mock(
                 return_value=httpx.Response(200, json=vllm_body(ids, images, [(11, -0.9)], prompt_lps=prompt_lps, finish="length"))
             )
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 got = await VLLMClient(http, V).prefill(ids, start, images=images)
             return json.loads(route.calls[0].request.content), got
 
@@ -337,7 +337,7 @@ def test_vllm_placeholder_mismatch_is_a_clear_error():
     async def go():
         with respx.mock() as router:
             router.post(f"{V}/inference/v1/generate").mock(return_value=httpx.Response(200, json=body))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 await VLLMClient(http, V).generate(ids, SamplingParams(), rid="r", images=images)
 
     with pytest.raises(EngineBadResponse, match=r"placed the images at \[\(4, 30\)\], Splice at \[\(4, 20\)\]") as err:
@@ -353,7 +353,7 @@ def test_vllm_without_scale_out_names_the_flag():
     async def go():
         with respx.mock() as router:
             router.post(f"{V}/inference/v1/generate").mock(return_value=httpx.Response(403, json=disabled))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 await VLLMClient(http, V).generate(ids, SamplingParams(), rid="r", images=images)
 
     with pytest.raises(EngineUnsupported, match="--enable-scale-out"):
@@ -392,7 +392,7 @@ def test_vllm_stream_with_images_and_an_unstreamed_call_when_prompt_logprobs_are
                     httpx.Response(200, json=vllm_body(ids, images, out, prompt_lps=prompt_lps)),
                 ]
             )
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 client = VLLMClient(http, V)
                 streamed = await client.generate(ids, SamplingParams(), rid="a", on_tokens=on_tokens, images=images)
                 owed = await client.generate(ids, SamplingParams(), rid="b", on_tokens=on_tokens, images=images,

@@ -10,7 +10,7 @@ import pytest
 import respx
 
 from tests.fakes.engines import FakeSGLang, Step, sglang_reply, sse
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.sglang import SGLangClient, generate_payload, parse_response
 from engines.types import EngineBadResponse, EngineRejected, SamplingParams
 
@@ -55,7 +55,7 @@ def test_generate_sends_minus_one_when_nothing_owed_and_parses_reply():
             fake = FakeSGLang(router, URL, version="3")
             fake.cached = 2
             fake.script = [Step([(9, -0.25), (151645, -0.01)], finish="stop", matched=151645)]
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 seg = await SGLangClient(http, URL).generate(PROMPT, SamplingParams(max_new_tokens=5), rid="abc")
             return fake, seg
 
@@ -108,7 +108,7 @@ def test_non_finite_logprobs_map_to_minus_9999():
     async def go():
         with respx.mock() as router:
             router.post(f"{URL}/generate").mock(return_value=httpx.Response(200, content=raw))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 return await SGLangClient(http, URL).generate(PROMPT, SamplingParams(), rid="r")
 
     assert run(go()).logprobs == [-9999.0]
@@ -124,7 +124,7 @@ def test_streaming_yields_new_tokens_from_cumulative_frames():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeSGLang(router, URL)
             fake.script = [Step([(7, -0.7), (8, -0.8), (9, -0.9)], finish="length")]
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 seg = await SGLangClient(http, URL).generate(PROMPT, SamplingParams(max_new_tokens=3), rid="s", on_tokens=on_tokens)
         return fake, got, seg
 
@@ -144,7 +144,7 @@ def test_stream_error_frame_raises():
             async def cb(ids, lps):
                 pass
 
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 await SGLangClient(http, URL).generate(PROMPT, SamplingParams(), rid="e", on_tokens=cb)
 
     with pytest.raises(EngineBadResponse, match="out of memory"):
@@ -163,7 +163,7 @@ def test_cancellation_sends_abort_request_for_the_rid():
 
             router.post(f"{URL}/generate").mock(side_effect=slow)
             abort = router.post(f"{URL}/abort_request").mock(return_value=httpx.Response(200))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 task = asyncio.create_task(SGLangClient(http, URL).generate(PROMPT, SamplingParams(), rid="gone-1"))
                 await started.wait()
                 task.cancel()
@@ -178,7 +178,7 @@ def test_admin_calls_are_exact():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeSGLang(router, URL, version="0")
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 c = SGLangClient(http, URL)
                 await c.pause()
                 await c.update_weights("/ckpt/step-7", 7)

@@ -9,7 +9,7 @@ import pytest
 import respx
 
 from tests.fakes.engines import FakeVLLM, Step, vllm_reply
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.types import EngineBadResponse, EngineUnsupported, SamplingParams
 from engines.vllm import VLLMClient, completion_payload, parse_completion
 
@@ -93,7 +93,7 @@ def test_generate_and_stream_over_http():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeVLLM(router, URL)
             fake.script = [Step([(7, -0.7), (8, -0.8)], finish="length"), Step([(9, -0.9), (10, -1.0)], finish="stop")]
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 c = VLLMClient(http, URL, model="tiny")
                 plain = await c.generate(PROMPT, SamplingParams(max_new_tokens=2), rid="x")
                 streamed = await c.generate(PROMPT, SamplingParams(max_new_tokens=2), rid="y", input_logprobs_from=2, on_tokens=on_tokens)
@@ -114,7 +114,7 @@ def test_prefill_uses_max_tokens_1_and_echo():
             fake = FakeVLLM(router, URL, version=0)
             fake.prefill_lp = lambda v, pos, tok: -10.0 - pos
             fake.script = [Step([(1, -0.1)], finish="length")]
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 values, wv = await VLLMClient(http, URL, model="tiny").prefill(PROMPT, 2)
         return fake, values, wv
 
@@ -127,7 +127,7 @@ def test_admin_paths_without_dev_mode_name_the_setting():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeVLLM(router, URL, dev_mode=False)
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 c = VLLMClient(http, URL)
                 for call in (c.pause(), c.resume(), c.update_weights("/ckpt", 1)):
                     with pytest.raises(EngineUnsupported, match="VLLM_SERVER_DEV_MODE=1"):
@@ -143,7 +143,7 @@ def test_dev_mode_pause_resume_paths():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeVLLM(router, URL)
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 c = VLLMClient(http, URL)
                 await c.pause()
                 await c.resume()
@@ -158,7 +158,7 @@ def test_update_weights_wire_shape_version_and_readback():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeVLLM(router, URL)
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 c = VLLMClient(http, URL, model="tiny")
                 before = await c.weight_version()
                 await c.update_weights("relative dir/ckpt v7", 7)  # the engine's path, never resolved here
@@ -175,7 +175,7 @@ def test_update_weights_failure_raises_and_sets_no_version():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeVLLM(router, URL)
             fake.reload_error = "no such dir"
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 c = VLLMClient(http, URL)
                 with pytest.raises(EngineBadResponse, match="collective_rpc: HTTP 500") as err:
                     await c.update_weights("/missing", 3)
@@ -192,7 +192,7 @@ def test_update_weights_reports_a_dead_engine_after_a_failed_reload():
             fake = FakeVLLM(router, URL)
             fake.reload_error = "boom"
             router.get(f"{URL}/health").mock(side_effect=httpx.ConnectError("refused"))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 with pytest.raises(EngineBadResponse, match="kills its EngineCore"):
                     await VLLMClient(http, URL).update_weights("/bad", 1)
 
@@ -203,7 +203,7 @@ def test_update_weights_version_that_does_not_read_back_is_an_error():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             FakeVLLM(router, URL).keep_version = True
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 with pytest.raises(EngineBadResponse, match="reads back as 'default'"):
                     await VLLMClient(http, URL).update_weights("/ckpt", 2)
 
@@ -215,7 +215,7 @@ def test_info_dev_mode():
         with respx.mock(assert_all_called=False) as router:
             fake = FakeVLLM(router, URL, max_model_len=4096, root="/models/tiny", served="tiny")
             fake.weight_version = "3"
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 return await VLLMClient(http, URL).info()
 
     info = run(go())
@@ -228,7 +228,7 @@ def test_info_without_dev_mode_warns():
     async def go():
         with respx.mock(assert_all_called=False) as router:
             FakeVLLM(router, URL, dev_mode=False, root="/nonexistent/tiny")
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 return await VLLMClient(http, URL).info()
 
     info = run(go())
@@ -246,7 +246,7 @@ def test_info_tied_head_from_the_engine_or_the_local_config(tmp_path):
             FakeVLLM(router, URL, tied=True)
             # vLLM 0.32's /server_info has no hf_config: the model dir's config.json decides
             FakeVLLM(router, "http://vllm-b:8000", tied=None, root=str(tmp_path))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 return await VLLMClient(http, URL).info(), await VLLMClient(http, "http://vllm-b:8000").info()
 
     a, b = run(go())

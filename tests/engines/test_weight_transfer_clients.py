@@ -22,7 +22,7 @@ import httpx
 import pytest
 import respx
 
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.sglang import SGLangClient
 from engines.types import EngineRejected, EngineUnsupported
 from engines.vllm import VLLMClient
@@ -62,7 +62,7 @@ def test_sglang_calls_send_the_released_request_models():
             upd = r.post(f"{SG}/update_weights_from_distributed").mock(return_value=httpx.Response(200, json={"success": True, "message": "Succeeded to update parameter online."}))
             destroy = r.post(f"{SG}/destroy_weights_update_group").mock(return_value=httpx.Response(200, json={"success": True, "message": "Succeeded to destroy custom process group."}))
             weights = r.post(f"{SG}/get_weights_by_name").mock(return_value=httpx.Response(200, json=[[0.5, -0.25], [1.0, 2.0]]))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 c = SGLangClient(http, SG)
                 await c.init_weights_group(GROUP)
                 await c.update_weights_from_distributed(B1)
@@ -93,7 +93,7 @@ def test_sglang_failure_reply_is_an_error_naming_the_engine(status):
             r.post(f"{SG}/update_weights_from_distributed").mock(
                 return_value=httpx.Response(status, json={"success": False, "message": "Failed to update parameter online: boom"})
             )
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 await SGLangClient(http, SG).update_weights_from_distributed(B2)
 
     with pytest.raises(EngineRejected) as err:
@@ -109,7 +109,7 @@ def test_vllm_weight_transfer_api_bodies():
             upd = r.post(f"{VL}/update_weights").mock(return_value=httpx.Response(200, json={"message": "Weights updated"}))
             fin = r.post(f"{VL}/finish_weight_update").mock(return_value=httpx.Response(200, json={"message": "Weight update finished"}))
             shut = r.post(f"{VL}/shutdown_weight_transfer_engine").mock(return_value=httpx.Response(200, json={"message": "Weight transfer shut down"}))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 c = VLLMClient(http, VL, model="m")
                 await c.init_weights_group(GROUP)
                 await c.update_weights_from_distributed(B1)
@@ -134,7 +134,7 @@ def test_vllm_without_dev_mode_or_over_gloo_is_unsupported():
     async def go(group):
         with respx.mock() as r:
             r.post(f"{VL}/init_weight_transfer_engine").mock(return_value=httpx.Response(404, json={"detail": "Not Found"}))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 await VLLMClient(http, VL, model="m").init_weights_group(group)
 
     with pytest.raises(EngineUnsupported, match="does not exist"):
@@ -149,7 +149,7 @@ def test_ranks_an_engine_joins_with():
         with respx.mock() as r:
             r.get(f"{SG}/server_info").mock(return_value=httpx.Response(200, json={"tp_size": 4, "dp_size": 1, "context_length": 4096}))
             ws = r.get(f"{VL}/get_world_size").mock(return_value=httpx.Response(200, json={"world_size": 2}))
-            async with httpx.AsyncClient(transport=AiohttpTransport()) as http:
+            async with httpx.AsyncClient(transport=EngineTransport()) as http:
                 sg = await SGLangClient(http, SG).weight_ranks()
                 vl = await VLLMClient(http, VL, model="m").weight_ranks()
             return sg, vl, ws.calls[0].request.url.params.get("include_dp")

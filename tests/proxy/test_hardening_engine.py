@@ -11,7 +11,7 @@ import httpx
 import pytest
 import respx
 
-from engines.http_transport import AiohttpTransport
+from engines.http_transport import EngineTransport
 from engines.http import Http
 from engines.pool import EnginePool
 from engines.sglang import SGLangClient
@@ -205,7 +205,7 @@ async def _dripping_server(delay: float):
 def test_an_engine_that_drips_times_out_on_the_total_deadline(stream):
     async def main():
         server, port = await _dripping_server(0.05)  # a read never waits more than 50 ms
-        async with server, httpx.AsyncClient(transport=AiohttpTransport()) as http:
+        async with server, httpx.AsyncClient(transport=EngineTransport()) as http:
             client = SGLangClient(http, f"http://127.0.0.1:{port}", timeout_s=0.6)
             aborted = []
             client.abort = lambda rid: _record(aborted, rid)
@@ -295,5 +295,5 @@ def test_unreachable_engine_with_credentials_is_a_503_without_them(tmp_path, cap
 
 
 def test_http_layer_redacts_in_every_error():
-    h = Http(httpx.AsyncClient(transport=AiohttpTransport()), SECRET_URL)
+    h = Http(httpx.AsyncClient(transport=EngineTransport()), SECRET_URL)
     assert h.url == "http://trainer:***@engine-a:30000"
