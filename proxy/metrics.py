@@ -2,7 +2,34 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as _Counter
+from prometheus_client import Gauge
+from prometheus_client import Histogram as _Histogram
+
+
+class _Labelled:
+    """``labels(...)`` remembered per label values: prometheus-client checks, converts and locks
+    on every call, and a turn makes about ten. Children are never removed here, so the memo
+    stays as small as the metric's own set of children."""
+
+    def labels(self, *values: str):
+        try:
+            return self._memo[values]
+        except AttributeError:
+            self._memo = {}
+        except KeyError:
+            pass
+        child = self._memo[values] = super().labels(*values)
+        return child
+
+
+class Counter(_Labelled, _Counter):
+    pass
+
+
+class Histogram(_Labelled, _Histogram):
+    pass
 
 _LAT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

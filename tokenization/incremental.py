@@ -291,8 +291,9 @@ def reasoning_token_count(
     if start_in_reasoning:
         start = 0
     else:
-        start = next((i for i in range(n) if output_ids[i] == open_id), -1) if open_id is not None else -1
-        if start < 0 or tokenizer.decode(output_ids[:start], skip_special_tokens=False).strip():
+        start = output_ids.index(open_id, 0, n) if open_id is not None and open_id in output_ids[:n] else -1
+        # (nothing to decode when the output opens with ``<think>``, the usual case)
+        if start < 0 or (start and tokenizer.decode(output_ids[:start], skip_special_tokens=False).strip()):
             return 0
     for i in range(start, n):
         t = output_ids[i]

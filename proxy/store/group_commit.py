@@ -41,6 +41,9 @@ class GroupCommit:
         if not batch:
             return
         outcomes: list[tuple[asyncio.Future, BaseException | None, Any]] = []
+        if len(batch) == 1:  # a group of one (C=1) needs no savepoint: its transaction is its own
+            self._flush_one(*batch[0])
+            return
         try:
             with self.db.write() as c:
                 for work, fut in batch:
@@ -65,3 +68,14 @@ class GroupCommit:
                 fut.set_result(out)
         if self.on_flush is not None:
             self.on_flush(len(batch))
+
+    def _flush_one(self, work: Work, fut: asyncio.Future) -> None:
+        try:
+            with self.db.write() as c:
+                out = work(c)
+        except Exception as exc:  # noqa: BLE001 - rolled back; the caller gets the error
+            fut.set_exception(exc)
+            return
+        fut.set_result(out)
+        if self.on_flush is not None:
+            self.on_flush(1)
