@@ -98,3 +98,17 @@ def test_a_compaction_prompt_is_found_at_either_end_of_a_long_message():
                           (doc[: len(doc) // 2] + marker + doc[len(doc) // 2 :], None), (doc, None)):  # fmt: skip
         history = [Message("user", "fix it"), Message("assistant", "done"), Message("user", content)]
         assert compaction_kind(history) == kind, (len(content), kind)
+
+
+def test_only_a_user_message_after_the_last_answer_asks_for_a_summary():
+    """A compaction prompt is the newest user message, not yet answered. A tool loop whose first
+    user message happens to quote the prompt is no compaction (and its long first message is not
+    scanned on every turn)."""
+    from proxy.session.roles import SUMMARY_REQUEST_MARKERS
+
+    quoted = Message("user", "Review this text: " + SUMMARY_REQUEST_MARKERS[0])
+    call = Message("assistant", "", tool_calls=(ToolCall(id="c1", name="bash", arguments="{}"),))
+    loop = [quoted, call, Message("tool", "ok", tool_call_id="c1")]
+    assert compaction_kind(loop) is None
+    assert compaction_kind([*loop, Message("assistant", "done"), Message("user", SUMMARY_REQUEST_MARKERS[0])]) == "summary"
+    assert compaction_kind([quoted]) is None  # nothing answered yet: nothing to summarise
