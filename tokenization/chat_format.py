@@ -29,7 +29,7 @@ from renderers.configs import DefaultRendererConfig
 from .bridge import BridgeResult, GenericBridge, RendererBridge, RendererCache, as_list
 from .conversation import Message, Tool, message_images, to_renderer_messages, to_renderer_tools, to_template_tools
 from .fast_tokenizer import FastTokenizer
-from .incremental import IncrementalDecoder, generation_starts_in_reasoning, reasoning_token_count, token_bytes
+from .incremental import IncrementalDecoder, generation_starts_in_reasoning, marker_ids, reasoning_token_count, token_bytes
 from .loader import make_renderer
 from .parse import ParsedOutput, parse_output
 from .template import ControlTokens, TemplateRenderer
@@ -95,6 +95,7 @@ class ChatFormat:
                 tokenizer, template_kwargs=self.template_kwargs, encoder=fast, control=self.control, vision=vision
             )
         self._stop_ids = frozenset(self.renderer.get_stop_token_ids())
+        self._markers: tuple | None = None  # reasoning and tool-call marker ids, read on first use
         self._starts_in_reasoning: bool | None = None
         self._starts_in_reasoning_by_kwargs: dict[str, bool] = {}
         self.render_calls = 0  # full renders done; lets tests prove the bridge does not re-render
@@ -141,9 +142,11 @@ class ChatFormat:
 
     def reasoning_token_count(self, output_ids: list[int], *, template_kwargs: dict[str, Any] | None = None) -> int:
         """Output tokens spent in the initial reasoning region, markers included."""
+        if self._markers is None:
+            self._markers = marker_ids(self.tokenizer)
         return reasoning_token_count(
             self.tokenizer, list(output_ids), start_in_reasoning=self.starts_in_reasoning_for(template_kwargs),
-            stop_ids=self._stop_ids,
+            stop_ids=self._stop_ids, markers=self._markers,
         )
 
     def decoder(self, *, template_kwargs: dict[str, Any] | None = None) -> IncrementalDecoder:

@@ -266,6 +266,11 @@ class StrippedText:
         return None
 
 
+def marker_ids(tokenizer, think_open: str = "<think>", think_close: str = "</think>", tool_open: str = "<tool_call>") -> tuple:
+    """The ids of the reasoning and tool-call markers (None where the tokenizer has no such token)."""
+    return _token_id(tokenizer, think_open), _token_id(tokenizer, think_close), _token_id(tokenizer, tool_open)
+
+
 def reasoning_token_count(
     tokenizer,
     output_ids: list[int],
@@ -275,17 +280,17 @@ def reasoning_token_count(
     think_open: str = "<think>",
     think_close: str = "</think>",
     tool_open: str = "<tool_call>",
+    markers: tuple | None = None,
 ) -> int:
     """Output tokens spent in the initial reasoning region, markers included.
 
     Same boundaries as ``IncrementalDecoder``, found from ids alone (only the text before a
-    ``<think>`` is decoded, to check it is whitespace).
+    ``<think>`` is decoded, to check it is whitespace). ``markers``: ``marker_ids(tokenizer)``,
+    when the caller keeps them.
     """
     if not output_ids or tokenizer is None:
         return 0
-    open_id = _token_id(tokenizer, think_open)
-    close_id = _token_id(tokenizer, think_close)
-    tool_id = _token_id(tokenizer, tool_open)
+    open_id, close_id, tool_id = markers or marker_ids(tokenizer, think_open, think_close, tool_open)
     stops = set(stop_ids) if stop_ids is not None else default_stop_ids(tokenizer)
     n = next((i for i, t in enumerate(output_ids) if t in stops), len(output_ids))
     if start_in_reasoning:
