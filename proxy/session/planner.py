@@ -45,7 +45,7 @@ import numpy as np
 
 from tokenization import ChatFormat, Message
 from tokenization.bridge import as_list
-from tokenization.conversation import HistoryHash
+from tokenization.conversation import HistoryHash, HistoryHashes
 from tokenization.vision import ImageError
 
 from ..store.images import ImageRef
@@ -151,11 +151,14 @@ class RenderError(Exception):
     """The chat template rejected the conversation."""
 
 
-def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat) -> Plan:
-    """Splice onto the recorded turn the request continues, or render in full (see module doc)."""
+def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, hashes: HistoryHashes | None = None) -> Plan:
+    """Splice onto the recorded turn the request continues, or render in full (see module doc).
+    ``hashes``: long histories hashed before, so a resent one is not hashed again."""
     last_asst = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=-1)
     req.compaction = "restart" if req.compacted_from and last_asst < 0 else compaction_kind(req.messages)
-    hh = HistoryHash(edits=keeps_edits(req)).extend(req.messages[: last_asst + 1])
+    history = req.messages[: last_asst + 1]
+    edits = keeps_edits(req)
+    hh = hashes.hash(history, edits=edits) if hashes is not None else HistoryHash(edits=edits).extend(history)
     p = _plan(req, lookup, fmt, last_asst, hh)
     p.history_hash, p.hashed = hh, last_asst + 1
     if not isinstance(p.prompt_ids, np.ndarray):  # a full render (its cost dwarfs this pass)

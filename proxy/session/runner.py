@@ -12,7 +12,7 @@ import time
 from engines.http import check_token_ids, redact_url, vocab_bound
 from engines.types import EngineError, Generation
 from tokenization import ChatFormat, Message
-from tokenization.conversation import ToolCall
+from tokenization.conversation import HistoryHashes, ToolCall
 
 from ..errors import APIError, from_engine_error
 from ..ids import call_id, chat_completion_id, message_id, response_id
@@ -116,6 +116,7 @@ class TurnRunner:
         self.model_name = model_name
         self.recompute = recompute  # R2: a session owing values gets them from its next turn's call
         self.lookup = StoreLookup(store)
+        self.hashes = HistoryHashes()  # long histories' hashes, continued when a request resends one
         self.roles = EpisodeRoles(store)  # main / auxiliary / subagent / compacted (proxy.session.roles)
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
@@ -138,7 +139,7 @@ class TurnRunner:
         if req.history_edits_policy is None:
             req.history_edits_policy = self.history_edits
         try:
-            p = plan(req, self.lookup, self.fmt)
+            p = plan(req, self.lookup, self.fmt, self.hashes)
         except RenderError as exc:
             raise APIError(400, f"the chat template cannot render this conversation: {exc}", code="invalid_messages") from None
         m = self.metrics.stage_seconds
