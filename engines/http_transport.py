@@ -123,6 +123,10 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:  # aborts the parse: the connection is dropped, the reply already read stands
+            raise httpx.RemoteProtocolError("the engine sent a second reply to one request")
+
     def on_status(self, reason: bytes) -> None:
         self.reason += reason
 
@@ -130,9 +134,13 @@ class _Connection(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:  # an informational reply (103 Early Hints): the real one follows
+            self.headers, self.reason = [], b""
+            return
+        self.status = status
         self.headers_done = True
-        if self.status not in _NO_BODY and self.status >= 200:
+        if status not in _NO_BODY:
             names = {n.lower() for n, _ in self.headers}
             self.until_close = b"content-length" not in names and b"transfer-encoding" not in names
         self._wake()
@@ -143,6 +151,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if not self.headers_done:  # the end of an informational reply
+            return
         self.keep_alive = self.parser.should_keep_alive()
         self.complete = True
         self._wake()
@@ -172,7 +182,7 @@ class _Connection(asyncio.Protocol):
                 self._waiter = None
                 if timer is not None:
                     timer.cancel()
-        if self.error is not None:
+        if self.error is not None and not self.complete:  # a reply read whole stands
             raise self.error
 
     def _timed_out(self) -> None:

@@ -439,3 +439,37 @@ def test_a_reply_closed_before_its_body_is_read_does_not_go_back_to_the_pool():
 
     got, peers = asyncio.run(go())
     assert got == {"path": "/fast"} and len(peers) == 2
+
+
+def test_an_informational_reply_is_skipped_and_a_second_reply_drops_the_connection():
+    """``103 Early Hints`` before the answer is not the answer; a server that answers one request
+    twice leaves its first answer read and its connection unused."""
+
+    async def script(reader, writer):
+        while True:
+            try:
+                path = (await _read_request(reader)).split(b" ")[1]
+            except asyncio.IncompleteReadError:
+                return
+            body = b'{"path": "%s"}' % path
+            reply = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            if path == b"/hints":
+                writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + reply)
+            elif path == b"/twice":
+                writer.write(reply + reply)
+            else:
+                writer.write(reply)
+            await writer.drain()
+
+    async def go():
+        server, url, peers = await _raw_server(script)
+        async with server, httpx.AsyncClient(transport=EngineTransport()) as client:
+            http = Http(client, url)
+            got = [await http.request("GET", p, timeout=5) for p in ("/hints", "/after", "/twice")]
+            await asyncio.sleep(0.1)
+            got.append(await http.request("GET", "/last", timeout=5))
+        return got, peers
+
+    got, peers = asyncio.run(go())
+    assert [g["path"] for g in got] == ["/hints", "/after", "/twice", "/last"]
+    assert len(peers) == 2  # the connection that carried a second reply was not reused
