@@ -136,18 +136,21 @@ class TurnTable:
     ) -> "TurnWrite":
         """A turn's writes, checked and packed before any transaction: call the result with an
         open write connection, then ``committed()`` once that transaction has committed."""
-        out = np.asarray(turn.output_ids, dtype=np.int64)
-        versions = np.asarray(turn.versions, dtype=np.int64)
-        prox_versions = np.asarray(turn.proximal_versions, dtype=np.int64)
-        if isinstance(turn.prompt_ids, np.ndarray) and turn.prompt_ids.dtype == I32:
-            prompt = turn.prompt_ids  # a spliced prompt arrives as int32 already: no per-token pass
-            small = np.concatenate((out, versions, prox_versions))
+        small = (turn.output_ids, turn.versions, turn.proximal_versions)
+        if isinstance(turn.prompt_ids, np.ndarray) and turn.prompt_ids.dtype == I32 and all(type(x) is list for x in small):
+            # The usual turn: a spliced prompt, already int32, and a few dozen ids and versions as
+            # lists of ints, range-checked without numpy's fixed cost per call.
+            if not all(_in_i32(x) for x in small):
+                raise ValueError(f"turn {turn.turn_id}: ids and versions must fit in int32")
+            prompt = turn.prompt_ids
+            out, versions, prox_versions = (np.array(x, dtype=I32) for x in small)
         else:
+            out, versions, prox_versions = (np.asarray(x, dtype=np.int64) for x in small)
             prompt = np.asarray(turn.prompt_ids, dtype=np.int64)
-            small = np.concatenate((out, prompt, versions, prox_versions))
-        if not fits_i32(small):
-            raise ValueError(f"turn {turn.turn_id}: ids and versions must fit in int32")
-        prompt, versions, prox_versions = prompt.astype(I32, copy=False), versions.astype(I32), prox_versions.astype(I32)
+            if not fits_i32(np.concatenate((out, prompt, versions, prox_versions))):
+                raise ValueError(f"turn {turn.turn_id}: ids and versions must fit in int32")
+            prompt, out = prompt.astype(I32, copy=False), out.astype(I32)
+            versions, prox_versions = versions.astype(I32), prox_versions.astype(I32)
         logprobs = np.asarray(turn.output_logprobs, dtype=F32)
         prox = np.asarray(turn.proximal_logprobs_t, dtype=F32)
         sampling = orjson.dumps(turn.requested_sampling or {}, option=orjson.OPT_SORT_KEYS)
@@ -187,7 +190,7 @@ class TurnTable:
                         prompt[base_len:].tobytes(),
                         len(prompt),
                         len(out),
-                        out.astype(I32).tobytes(),
+                        out.tobytes(),
                         logprobs.tobytes(),
                         pack_runs(turn.versions),
                         int(turn.spliced),
@@ -221,7 +224,7 @@ class TurnTable:
             if len(self._sampling_ids) < 4096:  # committed: the id is real
                 self._sampling_ids[sampling] = done["sampling_id"]
             # Only after COMMIT: a rolled-back seq may be reused by another turn.
-            self._full_ids.put(done["seq"], np.concatenate([prompt, out.astype(I32)]))
+            self._full_ids.put(done["seq"], np.concatenate([prompt, out]))
             self._roles.put(turn.turn_id, turn.role)
             if done["resp_seq"] is not None:
                 self.responses.remember(done["resp_seq"], response.conversation)
@@ -513,6 +516,10 @@ class TurnTable:
             self._full_ids.put(seq, np.concatenate([prompt, unpack_i32(row[9])]))
             result.append(row_record(row, prompt))
         return result
+
+
+def _in_i32(values: list) -> bool:
+    return not values or (-(2**31) <= min(values) and max(values) < 2**31)
 
 
 def _sampling_id(c, blob: bytes) -> int:

@@ -66,6 +66,9 @@ def test_a_spliced_turn_goes_in_and_out_as_int32_arrays(store, make_turn):
     assert [x.tolist() for x in store.turns.ids("s-t1")] == [[1, 2, 3, 4, 5, 6, 7], [8]]
     with pytest.raises(ValueError, match="int32"):
         store.turns.add(dataclasses.replace(make_turn("s", 2, [1], [2 ** 31]), prompt_ids=np.asarray([1], np.int32)))
+    with pytest.raises(ValueError, match="int32"):  # below the range, in a version list this time
+        store.turns.add(dataclasses.replace(make_turn("s", 2, [1], [2], version=[-(2 ** 31) - 1]), prompt_ids=np.asarray([1], np.int32)))
+    assert store.turns.get("s-t2") is None
 
 
 def test_add_turn_rejections(store, make_turn):
