@@ -154,6 +154,13 @@ class TurnTable:
         logprobs = np.asarray(turn.output_logprobs, dtype=F32)
         prox = np.asarray(turn.proximal_logprobs_t, dtype=F32)
         sampling = orjson.dumps(turn.requested_sampling or {}, option=orjson.OPT_SORT_KEYS)
+        # The usual new turn: its proximal values are its behaviour ones (nothing recomputed yet).
+        # Equal lists with no 0.0 among them (which would equal -0.0) hold the same float32 bits.
+        lps = turn.output_logprobs
+        untouched = (
+            type(lps) is list and type(turn.proximal_logprobs_t) is list and type(turn.versions) is list
+            and turn.proximal_versions == turn.versions and turn.proximal_logprobs_t == lps and 0.0 not in lps
+        )  # fmt: skip
         done: dict = {}
 
         def write(c: sqlite3.Connection) -> None:
@@ -208,7 +215,12 @@ class TurnTable:
                 c.execute("INSERT INTO item_ids (item_id, turn_seq) VALUES (?, ?)", (turn.response_id, seq))
             except sqlite3.IntegrityError as exc:
                 raise self._duplicate(turn, exc) from None
-            write_proximal(c, seq, logprobs, versions, prox, prox_versions, fresh=True)
+            if untouched:  # write_proximal's outcome for such a turn: no proximal row, every token pending
+                if turn.versions:
+                    c.execute("INSERT OR REPLACE INTO pending (turn_seq, vmin, vmax) VALUES (?, ?, ?)",
+                              (seq, min(turn.versions), max(turn.versions)))  # fmt: skip
+            else:
+                write_proximal(c, seq, logprobs, versions, prox, prox_versions, fresh=True)
             if new_images:
                 write_images(c, new_images, self.clock())
             if turn.images:

@@ -123,6 +123,23 @@ def test_prompt_delta_survives_forks_and_cold_reads(db_path, make_turn):
     cold.close()
 
 
+def test_a_new_turns_proximal_values_and_pending_versions_read_back_exactly(store, make_turn):
+    """A new turn's proximal values are usually its behaviour ones (stored as nothing, every
+    version pending); a 0.0 against a -0.0 is a difference in the bits, kept as it was sent."""
+    import math
+
+    store.sessions.upsert("s")
+    store.turns.add(make_turn("s", 0, [1], [2, 3, 4], version=[3, 3, 5]))
+    t = make_turn("s", 1, [1], [5, 6], logprobs=[-0.0, -1.5], version=[5, 5])
+    t.proximal_logprobs_t = [0.0, -1.5]
+    store.turns.add(t)
+    plain, signed = store.turns.get("s-t0"), store.turns.get("s-t1")
+    assert plain.proximal_logprobs_t == plain.output_logprobs and plain.proximal_versions == [3, 3, 5]
+    assert [math.copysign(1, x) for x in signed.output_logprobs] == [-1, -1]
+    assert [math.copysign(1, x) for x in signed.proximal_logprobs_t] == [1, -1]
+    assert store.turns.owed_ids(4) == ["s-t0"] and store.turns.owed_ids(6) == ["s-t0", "s-t1"]
+
+
 def test_proximal_update(store, make_turn):
     store.sessions.upsert("s")
     t = make_turn("s", 0, [1], [2, 3, 4], version=[3, 3, 4])
