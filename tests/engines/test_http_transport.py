@@ -229,6 +229,19 @@ async def _read_request(reader) -> bytes:
     return head + (await reader.readexactly(n) if n else b"")
 
 
+async def _answer_paths(reader, writer, answer) -> None:
+    """Every request on the connection answered by ``answer(path, head, body, writer)``: ``body``
+    is ``{"path": ...}`` as JSON, ``head`` a 200's status line and headers for it."""
+    while True:
+        try:
+            path = (await _read_request(reader)).split(b" ")[1]
+        except asyncio.IncompleteReadError:
+            return
+        body = b'{"path": "%s"}' % path
+        await answer(path, b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body), body, writer)
+        await writer.drain()
+
+
 def test_keep_alive_reuses_one_connection_and_sends_a_well_formed_request():
     """Three calls, one connection; the request bytes parse with the standard library's HTTP
     server parser (an independent reader) into the method, path, headers and body sent."""
@@ -413,24 +426,16 @@ def test_a_reply_closed_before_its_body_is_read_does_not_go_back_to_the_pool():
     """``probe`` closes a reply once its status is in. The rest of that body must not be read
     as the answer to the next request on the same connection."""
 
-    async def script(reader, writer):
-        while True:
-            try:
-                path = (await _read_request(reader)).split(b" ")[1]
-            except asyncio.IncompleteReadError:
-                return
-            body = b'{"path": "%s"}' % path
-            if path == b"/slow":  # half the body now, the rest later
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body[:5]))
-                await writer.drain()
-                await asyncio.sleep(0.3)
-                writer.write(body[5:])
-            else:
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    async def answer(path, head, body, writer):
+        if path == b"/slow":  # half the body now, the rest later
+            writer.write(head + body[:5])
             await writer.drain()
+            await asyncio.sleep(0.3)
+            body = body[5:]
+        writer.write(head + body)
 
     async def go():
-        server, url, peers = await _raw_server(script)
+        server, url, peers = await _raw_server(lambda reader, writer: _answer_paths(reader, writer, answer))
         async with server, httpx.AsyncClient(transport=EngineTransport()) as client:
             http = Http(client, url)
             assert await http.probe("GET", "/slow") == 200
@@ -445,24 +450,17 @@ def test_an_informational_reply_is_skipped_and_a_second_reply_drops_the_connecti
     """``103 Early Hints`` before the answer is not the answer; a server that answers one request
     twice leaves its first answer read and its connection unused."""
 
-    async def script(reader, writer):
-        while True:
-            try:
-                path = (await _read_request(reader)).split(b" ")[1]
-            except asyncio.IncompleteReadError:
-                return
-            body = b'{"path": "%s"}' % path
-            reply = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-            if path == b"/hints":
-                writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + reply)
-            elif path == b"/twice":
-                writer.write(reply + reply)
-            else:
-                writer.write(reply)
-            await writer.drain()
+    async def answer(path, head, body, writer):
+        reply = head + body
+        if path == b"/hints":
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + reply)
+        elif path == b"/twice":
+            writer.write(reply + reply)
+        else:
+            writer.write(reply)
 
     async def go():
-        server, url, peers = await _raw_server(script)
+        server, url, peers = await _raw_server(lambda reader, writer: _answer_paths(reader, writer, answer))
         async with server, httpx.AsyncClient(transport=EngineTransport()) as client:
             http = Http(client, url)
             got = [await http.request("GET", p, timeout=5) for p in ("/hints", "/after", "/twice")]
