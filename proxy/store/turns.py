@@ -156,11 +156,8 @@ class TurnTable:
         sampling = orjson.dumps(turn.requested_sampling or {}, option=orjson.OPT_SORT_KEYS)
         # The usual new turn: its proximal values are its behaviour ones (nothing recomputed yet).
         # Equal lists with no 0.0 among them (which would equal -0.0) hold the same float32 bits.
-        lps = turn.output_logprobs
-        untouched = (
-            type(lps) is list and type(turn.proximal_logprobs_t) is list and type(turn.versions) is list
-            and turn.proximal_versions == turn.versions and turn.proximal_logprobs_t == lps and 0.0 not in lps
-        )  # fmt: skip
+        lps, plps, vs, pvs = turn.output_logprobs, turn.proximal_logprobs_t, turn.versions, turn.proximal_versions
+        untouched = all(type(x) is list for x in (lps, plps, vs, pvs)) and pvs == vs and plps == lps and 0.0 not in lps
         done: dict = {}
 
         def write(c: sqlite3.Connection) -> None:
