@@ -207,7 +207,8 @@ def expect_dict(data: Any, replica: str, path: str) -> dict:
 
 
 class Http:
-    """A replica's base URL on the shared client's engine transport (engines/http_transport.py); every call raises typed errors."""
+    """A replica's base URL on the shared client's engine transport (engines/http_transport.py);
+    every call raises typed errors."""
 
     def __init__(self, client: httpx.AsyncClient, base_url: str):
         # ``user:pass@`` in the URL becomes a basic-auth header on every request, and requests go

@@ -13,14 +13,14 @@ class _Labelled:
     on every call, and a turn makes about ten. Children are never removed here, so the memo
     stays as small as the metric's own set of children."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._memo: dict[tuple, object] = {}
+
     def labels(self, *values: str):
-        try:
-            return self._memo[values]
-        except AttributeError:
-            self._memo = {}
-        except KeyError:
-            pass
-        child = self._memo[values] = super().labels(*values)
+        child = self._memo.get(values)
+        if child is None:
+            child = self._memo[values] = super().labels(*values)
         return child
 
 

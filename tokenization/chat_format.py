@@ -95,7 +95,7 @@ class ChatFormat:
                 tokenizer, template_kwargs=self.template_kwargs, encoder=fast, control=self.control, vision=vision
             )
         self._stop_ids = frozenset(self.renderer.get_stop_token_ids())
-        self._markers: tuple | None = None  # reasoning and tool-call marker ids, read on first use
+        self._markers = marker_ids(tokenizer)  # reasoning and tool-call marker ids
         self._starts_in_reasoning: bool | None = None
         self._starts_in_reasoning_by_kwargs: dict[str, bool] = {}
         self.render_calls = 0  # full renders done; lets tests prove the bridge does not re-render
@@ -142,8 +142,6 @@ class ChatFormat:
 
     def reasoning_token_count(self, output_ids: list[int], *, template_kwargs: dict[str, Any] | None = None) -> int:
         """Output tokens spent in the initial reasoning region, markers included."""
-        if self._markers is None:
-            self._markers = marker_ids(self.tokenizer)
         return reasoning_token_count(
             self.tokenizer, list(output_ids), start_in_reasoning=self.starts_in_reasoning_for(template_kwargs),
             stop_ids=self._stop_ids, markers=self._markers,

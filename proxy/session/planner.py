@@ -155,7 +155,7 @@ def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, hashes: HistoryH
     """Splice onto the recorded turn the request continues, or render in full (see module doc).
     ``hashes``: long histories hashed before, so a resent one is not hashed again."""
     last_asst = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=-1)
-    req.compaction = "restart" if req.compacted_from and last_asst < 0 else compaction_kind(req.messages)
+    req.compaction = "restart" if req.compacted_from and last_asst < 0 else compaction_kind(req.messages, last_asst)
     history = req.messages[: last_asst + 1]
     edits = keeps_edits(req)
     hh = hashes.hash(history, edits=edits) if hashes is not None else HistoryHash(edits=edits).extend(history)

@@ -89,19 +89,20 @@ def _ends(text: str) -> tuple[str, ...]:
     return text[:MARKER_WINDOW], text[-MARKER_WINDOW:]
 
 
-def compaction_kind(messages: list[Message]) -> Literal["summary", "restart"] | None:
+def compaction_kind(messages: list[Message], last_asst: int | None = None) -> Literal["summary", "restart"] | None:
     """``summary``: the request asks for a compaction summary of the history before it (a user
-    message after its last assistant message is the compaction prompt); ``restart``: a history restarted from a summary (no
-    assistant message, a user message starting with a summary prefix)."""
-    # The compaction prompt is a user message after the last assistant message (the model has
-    # not answered it yet): a tool loop under a long first user message scans nothing.
-    last_asst = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].role == "assistant"), -1)
+    message after its last assistant message is the compaction prompt); ``restart``: a history
+    restarted from a summary (no assistant message, a user message starting with a summary
+    prefix). ``last_asst``: the index of the last assistant message (-1: none), when known."""
+    if last_asst is None:
+        last_asst = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].role == "assistant"), -1)
+    if last_asst < 0:
+        return "restart" if any(t.lstrip().startswith(RESTART_MARKERS) for t in _user_texts(messages)) else None
+    # The prompt is not answered yet, so it comes after the last assistant message: a tool loop
+    # under a long first user message scans nothing.
     prompt = next((m for m in reversed(messages[last_asst + 1 :]) if m.role == "user"), None)
-    if last_asst >= 0 and prompt is not None and any(k in text for text in _ends(prompt.content) for k in SUMMARY_REQUEST_MARKERS):
+    if prompt is not None and any(k in text for text in _ends(prompt.content) for k in SUMMARY_REQUEST_MARKERS):
         return "summary"
-    if not any(m.role == "assistant" for m in messages):
-        if any(t.lstrip().startswith(RESTART_MARKERS) for t in _user_texts(messages)):
-            return "restart"
     return None
 
 
