@@ -326,7 +326,9 @@ def test_tied_lm_head_with_the_extension_runs_the_published_weights(vllm_python,
     assert max(abs(a - b) for a, b in zip(reads[0], reads[1])) > 1e-2
 
 
-DEMO_STEPS = int(__import__("os").environ.get("SPLICE_LIVE_DEMO_STEPS", "6"))
+# 8 steps: the last three are sampled by versions 4-7, so a run that dips over the length cliff
+# for a step or two and recovers (docs/demo.md) is judged on where it ends, not on the dip.
+DEMO_STEPS = int(__import__("os").environ.get("SPLICE_LIVE_DEMO_STEPS", "8"))
 
 
 def test_demo_learns_on_real_vllm_with_its_own_tied_model(vllm_python, tmp_path):
@@ -366,14 +368,26 @@ def test_demo_learns_on_real_vllm_with_its_own_tied_model(vllm_python, tmp_path)
 
 def _demo_diagnosis(summary: dict, run) -> str:
     """What a failed learning check needs to be read from CI's log alone: per step reward,
-    entropy and staleness, the failed sessions and their errors, and the last answers."""
+    entropy, staleness, agreement and masking, the answer lengths per group of sessions (the
+    length cliff shows as answers that are not 5 characters), the failed sessions and their
+    errors, and the last answers."""
     import json
+    from collections import Counter
+
+    from proxy.demo import task
 
     steps = [{k: s.get(k) for k in ("step", "reward_mean", "entropy_mean", "staleness_mean", "clip_frac",
-                                     "behav_imp_weight_max", "n_samples", "grad_norm")} for s in summary["steps"]]
-    answers = (run / "sessions_answers.jsonl").read_text().splitlines()[-12:]
-    return json.dumps({"steps": steps, "failed_sessions": summary.get("failed_sessions"), "totals": summary.get("totals"),
-                       "reward_by_version": summary.get("reward_by_version"), "last_answers": answers})[:12000]
+                                     "behav_imp_weight_max", "masked_frac", "token_mult_prob_error", "n_samples",
+                                     "grad_norm")} for s in summary["steps"]]
+    rows = [json.loads(line) for line in (run / "sessions_answers.jsonl").read_text().splitlines()]
+    lengths: dict[str, Counter] = {}
+    for r in rows:  # sessions in launch order: 8 groups (one step's worth) per bucket
+        bucket = f"groups {int(r['group_id'].rsplit('-g', 1)[1]) // 8 * 8}+"
+        lengths.setdefault(bucket, Counter()).update(len(task.answer_text(a)) for a in r["answers"])
+    return json.dumps({"steps": steps, "answer_lengths": {k: dict(sorted(v.items())) for k, v in lengths.items()},
+                       "failed_sessions": summary.get("failed_sessions"), "totals": summary.get("totals"),
+                       "reward_by_version": summary.get("reward_by_version"),
+                       "last_answers": [json.dumps(r) for r in rows[-12:]]})[:12000]
 
 
 def test_report_figures():
