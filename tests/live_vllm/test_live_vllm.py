@@ -368,7 +368,7 @@ def test_demo_learns_on_real_vllm_with_its_own_tied_model(vllm_python, tmp_path)
 
 def _demo_diagnosis(summary: dict, run) -> str:
     """What a failed learning check needs to be read from CI's log alone: per step reward,
-    entropy, staleness, agreement and masking, the answer lengths per group of sessions (the
+    entropy, staleness, agreement and masking, the answer lengths per step's worth of groups (the
     length cliff shows as answers that are not 5 characters), the failed sessions and their
     errors, and the last answers."""
     import json
@@ -381,13 +381,13 @@ def _demo_diagnosis(summary: dict, run) -> str:
                                      "grad_norm")} for s in summary["steps"]]
     rows = [json.loads(line) for line in (run / "sessions_answers.jsonl").read_text().splitlines()]
     lengths: dict[str, Counter] = {}
-    for r in rows:  # sessions in launch order: 8 groups (one step's worth) per bucket
+    for r in rows:  # group ids count up in launch order: 8 groups (one step's worth) per bucket
         bucket = f"groups {int(r['group_id'].rsplit('-g', 1)[1]) // 8 * 8}+"
         lengths.setdefault(bucket, Counter()).update(len(task.answer_text(a)) for a in r["answers"])
     return json.dumps({"steps": steps, "answer_lengths": {k: dict(sorted(v.items())) for k, v in lengths.items()},
                        "failed_sessions": summary.get("failed_sessions"), "totals": summary.get("totals"),
                        "reward_by_version": summary.get("reward_by_version"),
-                       "last_answers": [json.dumps(r) for r in rows[-12:]]})[:12000]
+                       "last_answers": rows[-12:]})[:12000]
 
 
 def test_report_figures():
