@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence, Union
 
@@ -296,9 +298,6 @@ class HistoryHashes:
     in a worker thread."""
 
     def __init__(self, *, min_chars: int = 32_768, max_chars: int = 64 << 20):
-        import threading
-        from collections import OrderedDict
-
         self.min_chars, self.max_chars = min_chars, max_chars
         self._kept: OrderedDict[tuple, tuple[tuple[Message, ...], HistoryHash, int]] = OrderedDict()
         self._chars = 0

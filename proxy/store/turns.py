@@ -152,12 +152,12 @@ class TurnTable:
             prompt, out = prompt.astype(I32, copy=False), out.astype(I32)
             versions, prox_versions = versions.astype(I32), prox_versions.astype(I32)
         logprobs = np.asarray(turn.output_logprobs, dtype=F32)
-        prox = np.asarray(turn.proximal_logprobs_t, dtype=F32)
         sampling = orjson.dumps(turn.requested_sampling or {}, option=orjson.OPT_SORT_KEYS)
         # The usual new turn: its proximal values are its behaviour ones (nothing recomputed yet).
         # Equal lists with no 0.0 among them (which would equal -0.0) hold the same float32 bits.
         lps, plps, vs, pvs = turn.output_logprobs, turn.proximal_logprobs_t, turn.versions, turn.proximal_versions
         untouched = all(type(x) is list for x in (lps, plps, vs, pvs)) and pvs == vs and plps == lps and 0.0 not in lps
+        prox = None if untouched else np.asarray(turn.proximal_logprobs_t, dtype=F32)  # only write_proximal reads it
         done: dict = {}
 
         def write(c: sqlite3.Connection) -> None:
