@@ -18,6 +18,7 @@ from tokenization import ChatFormat
 
 from .api.admin import admin_router
 from .api.chat import chat_router
+from .api.history_memo import HistoryMemo
 from .api.images import ImageInput
 from .api.jsonio import JSONResponse
 from .api.messages import messages_router
@@ -126,7 +127,8 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     images = ImageInput.from_settings(settings, getattr(fmt, "vision", None))
     app.state.images = images
 
-    turn_routers = (responses_router(runner, store.responses, images), chat_router(runner, images), messages_router(runner, images))
+    app.state.history_memo = memo = HistoryMemo()  # each chat conversation's last request, converted
+    turn_routers = (responses_router(runner, store.responses, images), chat_router(runner, images, memo), messages_router(runner, images))
     for router in turn_routers:
         app.include_router(router)
     app.include_router(training_router(store, recompute, settings))

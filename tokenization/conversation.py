@@ -8,6 +8,7 @@ needs to know that format.
 from __future__ import annotations
 
 import json
+import operator
 import re
 import threading
 from collections import OrderedDict
@@ -285,6 +286,9 @@ def tools_fingerprint(tools: list[Tool] | tuple[Tool, ...] | None) -> str:
     return hashlib.blake2b(json.dumps(data, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
+_CONTENT = operator.attrgetter("content")
+
+
 class HistoryHashes:
     """Long histories hashed recently: a request that resends one of them with messages added
     hashes only the added ones.
@@ -293,12 +297,16 @@ class HistoryHashes:
     0.25 ms here, comparing it with the one kept from the turn before a memcmp per message. The
     kept messages must equal the request's first messages exactly (frozen dataclasses, every
     field), so a reuse is never a guess. Histories are kept per first two messages (where a
-    session's system prompt and task sit), the newest only, up to ``max_chars`` of content in
-    all; shorter ones than ``min_chars`` are hashed as they are. Thread-safe: planning may run
-    in a worker thread."""
+    session's system prompt and task sit) and the start of the third (where a group's sessions
+    part), the newest only, up to ``max_chars`` of content in all; histories of fewer than
+    ``min_messages`` messages and ``min_chars`` characters are hashed as they are. Many short
+    messages cost as much to hash as one long one: a 200-message tool loop hashed every turn
+    grew each turn's cost with the session. When the request's messages are the objects the
+    last request's were (``proxy/api/history_memo.py``), the comparison is one identity check
+    each. Thread-safe: planning may run in a worker thread."""
 
-    def __init__(self, *, min_chars: int = 32_768, max_chars: int = 64 << 20):
-        self.min_chars, self.max_chars = min_chars, max_chars
+    def __init__(self, *, min_chars: int = 32_768, min_messages: int = 8, max_chars: int = 64 << 20):
+        self.min_chars, self.min_messages, self.max_chars = min_chars, min_messages, max_chars
         self._kept: OrderedDict[tuple, tuple[tuple[Message, ...], HistoryHash, int]] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
@@ -307,10 +315,10 @@ class HistoryHashes:
     def hash(self, messages: Sequence[Message], *, edits: bool = False) -> HistoryHash:
         """``HistoryHash(edits=edits).extend(messages)``, continued from a kept prefix when one matches."""
         msgs = tuple(messages)
-        chars = sum(len(m.content) for m in msgs)
-        if chars < self.min_chars or len(msgs) < 2:
+        chars = sum(map(len, map(_CONTENT, msgs))) + 64 * len(msgs)  # a message's own objects count too
+        if len(msgs) < 2 or (chars < self.min_chars and len(msgs) < self.min_messages):
             return HistoryHash(edits=edits).extend(msgs)
-        key = (edits, *((m.role, len(m.content), m.content[:64]) for m in msgs[:2]))
+        key = (edits, *((m.role, len(m.content), m.content[:64], m.tool_calls[:1]) for m in msgs[:3]))
         with self._lock:
             kept = self._kept.get(key)
         h = None

@@ -28,7 +28,8 @@ from ..session import Presentation, TurnResult, TurnRunner
 from .content import check_tool_choice, message_of, name_tool_messages, offer_tools, text_of, tool_choice_control
 from .context import DialectContext, turn_request
 from .images import ImageInput, ImageRequest
-from .jsonio import JSONResponse, body_schema, build, dumps, parse_json_body, validate
+from .history_memo import Converted, HistoryMemo, plain
+from .jsonio import JSONResponse, body_schema, build, check_body_depth, dumps, parse_json_object, validate
 from .models import ChatCompletionRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
 from .streaming import DONE, TurnStream, relay, run_turn, sse_data, streaming_response
@@ -69,15 +70,26 @@ def _tool_calls_of(raw: Any, where: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def messages_to_conversation(messages: list[dict[str, Any]], images: ImageRequest | None = None) -> tuple[list[Message], list[str]]:
+def messages_to_conversation(
+    messages: list[dict[str, Any]], images: ImageRequest | None = None, prefix: Converted | None = None
+) -> tuple[list[Message], list[str]]:
     """Chat messages -> ``Message``s; also the tool-call ids they carry, in order.
 
     ``image_url`` parts of user and tool messages become image parts through ``images`` (a
-    text-only model's requests get a 400)."""
+    text-only model's requests get a 400). ``prefix``: what the first messages converted to in
+    an earlier request (``HistoryMemo.match``); only the ones after it are converted."""
+    msgs, ids, _ = _convert(messages, images, prefix)
+    return msgs, ids
+
+
+def _convert(
+    messages: list[dict[str, Any]], images: ImageRequest | None, prefix: Converted | None
+) -> tuple[list[Message], list[str], dict[str, str]]:
     images = images if images is not None else ImageRequest(None)
+    start = len(prefix.raw) if prefix is not None else 0
     out: list[Message] = []
     ids: list[str] = []
-    for i, m in enumerate(messages):
+    for i, m in enumerate(messages[start:] if start else messages, start):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad_request(f"{where} must be an object", code="invalid_value", param=where)
@@ -118,7 +130,19 @@ def messages_to_conversation(messages: list[dict[str, Any]], images: ImageReques
             raise bad_request(f"{where}: the deprecated 'function' role is not supported; use 'tool'", code="unsupported_value", param=f"{where}.role")
         else:
             raise bad_request(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}", code="invalid_value", param=f"{where}.role")
-    return name_tool_messages(out), ids
+    if prefix is None:
+        names: dict[str, str] = {}
+        return name_tool_messages(out, names), ids, names
+    names = dict(prefix.names)
+    return [*prefix.messages, *name_tool_messages(out, names)], [*prefix.ids, *ids], names
+
+
+def _remember(memo: HistoryMemo, key: tuple | None, raw: list[Any], prefix: Converted | None, msgs: list[Message],
+              ids: list[str], names: dict[str, str], cost: int) -> None:  # fmt: skip
+    """Keep this request's conversion for the conversation's next request (plain messages only)."""
+    if key is None or not all(map(plain, raw[len(prefix.raw) if prefix is not None else 0 :])):
+        return
+    memo.keep(key, Converted(raw, tuple(msgs), tuple(ids), names, cost))
 
 
 # ============================================================================ request -> turn
@@ -134,13 +158,19 @@ class ChatContext(DialectContext):
         return Presentation(body=body, encoded=dumps(body))
 
 
-def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None) -> ChatContext:
+def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None,
+                       memo: HistoryMemo | None = None, key: tuple | None = None, prefix: Converted | None = None,
+                       cost: int = 0) -> ChatContext:  # fmt: skip
+    """The turn a chat request asks for. ``memo`` / ``key`` / ``prefix``: the conversation's
+    last request's conversion, matched against ``body["messages"]`` (``post_chat``)."""
     req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
     req.check_supported()
     ts = offer_tools(req.tools, freeform_ok=False)
     tools = ts.tools
     check_tool_choice(req.tool_choice, tools)
-    messages, ids = messages_to_conversation(req.messages, images)
+    messages, ids, names = _convert(req.messages, images, prefix)
+    if memo is not None:
+        _remember(memo, key, body["messages"], prefix, messages, ids, names, cost)
     treq = turn_request(
         "chat", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=ids, stop=req.stop_list,
         max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=chat_controls(req),
@@ -314,15 +344,22 @@ async def _chunks(ctx: ChatContext, stream: TurnStream) -> AsyncIterator[bytes]:
 # ============================================================================ router
 
 
-def chat_router(runner: TurnRunner, images: ImageInput | None = None) -> APIRouter:
-    """``POST /v1/chat/completions``. ``images``: the app's image input (None: text only)."""
+def chat_router(runner: TurnRunner, images: ImageInput | None = None, memo: HistoryMemo | None = None) -> APIRouter:
+    """``POST /v1/chat/completions``. ``images``: the app's image input (None: text only).
+    ``memo``: each conversation's last request, converted (proxy/api/history_memo.py)."""
     router = APIRouter()
+    memo = memo if memo is not None else HistoryMemo()
 
     @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def post_chat(request: Request):
-        body = parse_json_body(await request.body())
+        raw = await request.body()
+        body = parse_json_object(raw)
+        msgs = body.get("messages")
+        key = memo.key(msgs, request.headers.get("x-session-id")) if type(msgs) is list else None
+        prefix = memo.match(key, msgs)
+        check_body_depth(raw, body, items="messages", checked=len(prefix.raw) if prefix is not None else 0)
         req_images = await images.prepare(body) if images is not None else None
-        ctx = build(build_chat_context, body, request.headers, runner, req_images)
+        ctx = build(build_chat_context, body, request.headers, runner, req_images, memo, key, prefix, len(raw))
         if not ctx.req.stream:
             result = await run_turn(runner, ctx.turn, request)
             return JSONResponse(result.encoded, headers=splice_headers(result))

@@ -81,9 +81,10 @@ def message_of(role: str, content: Any, where: str, *, images: ImageRequest | No
     return Message.from_parts(role, parts_of(content, where, images=images, allow_refusal=allow_refusal), **kw)
 
 
-def name_tool_messages(messages: list[Message]) -> list[Message]:
-    """Give tool messages the function name of the call they answer (some templates show it)."""
-    names: dict[str, str] = {}
+def name_tool_messages(messages: list[Message], names: dict[str, str] | None = None) -> list[Message]:
+    """Give tool messages the function name of the call they answer (some templates show it).
+    ``names``: tool-call id -> name of the calls before ``messages`` (extended in place)."""
+    names = {} if names is None else names
     out: list[Message] = []
     for m in messages:
         for tc in m.tool_calls:

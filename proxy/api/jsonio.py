@@ -33,11 +33,12 @@ MAX_DEPTH = 64  # nesting levels of a request body (orjson writes at most 255)
 SHORT_BODY = 4096  # bytes: below this, two bracket counts (a few µs) cost less than the walk
 
 
-def check_depth(data: Any, limit: int = MAX_DEPTH) -> None:
-    """400 when ``data`` nests containers more than ``limit`` levels deep.
+def check_depth(data: Any, limit: int = MAX_DEPTH, *, level: int = 1) -> None:
+    """400 when ``data`` (a container at nesting ``level``) nests containers more than ``limit``
+    levels deep.
 
     Iterative and visits containers only (strings and numbers are never descended into)."""
-    stack: list[tuple[Any, int]] = [(data, 1)]
+    stack: list[tuple[Any, int]] = [(data, level)]
     while stack:
         node, depth = stack.pop()
         if depth > limit:
@@ -49,6 +50,13 @@ def check_depth(data: Any, limit: int = MAX_DEPTH) -> None:
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
+    data = parse_json_object(raw)
+    check_body_depth(raw, data)
+    return data
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, its nesting not yet checked (``check_body_depth``)."""
     if not raw:
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -57,13 +65,25 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def check_body_depth(raw: bytes, data: dict[str, Any], *, items: str | None = None, checked: int = 0) -> None:
+    """400 when the body nests deeper than ``MAX_DEPTH``. ``data[items][:checked]`` are left
+    out: items equal to ones an earlier request was checked with (``history_memo``)."""
     # Nesting deeper than MAX_DEPTH needs more than MAX_DEPTH opening brackets: counting them
     # clears a short body for less than the walk. A long one is walked: on the parsed value, its
     # cost follows the number of containers (a few per message), not the bytes (counting brackets
     # in a 400 KB body costs more than parsing it).
-    if len(raw) > SHORT_BODY or raw.count(b"{") + raw.count(b"[") > MAX_DEPTH:
+    if len(raw) <= SHORT_BODY and raw.count(b"{") + raw.count(b"[") <= MAX_DEPTH:
+        return
+    if not checked:
         check_depth(data)
-    return data
+        return
+    check_depth({k: v for k, v in data.items() if k != items})
+    for item in data[items][checked:]:  # an item of a list under the body object sits at level 3
+        if isinstance(item, (dict, list)):
+            check_depth(item, level=3)
 
 
 def build(fn, *args: Any) -> Any:

@@ -154,7 +154,7 @@ class RenderError(Exception):
 def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, hashes: HistoryHashes | None = None) -> Plan:
     """Splice onto the recorded turn the request continues, or render in full (see module doc).
     ``hashes``: long histories hashed before, so a resent one is not hashed again."""
-    last_asst = max((i for i, m in enumerate(req.messages) if m.role == "assistant"), default=-1)
+    last_asst = last_assistant(req.messages)
     req.compaction = "restart" if req.compacted_from and last_asst < 0 else compaction_kind(req.messages, last_asst)
     history = req.messages[: last_asst + 1]
     edits = keeps_edits(req)
@@ -164,6 +164,15 @@ def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, hashes: HistoryH
     if not isinstance(p.prompt_ids, np.ndarray):  # a full render (its cost dwarfs this pass)
         p.prompt_ids = np.asarray(p.prompt_ids, dtype=np.int32)
     return p
+
+
+def last_assistant(messages: Sequence[Message]) -> int:
+    """The index of the last assistant message, -1 if none: found from the end, as a tool loop
+    ends in a few messages after it however long its history."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].role == "assistant":
+            return i
+    return -1
 
 
 def _choose(cands: Sequence[Candidate], lookup: TurnLookup, hint: str | None) -> tuple[Candidate | None, bool]:

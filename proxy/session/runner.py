@@ -42,9 +42,14 @@ def message_chars(messages: list[Message]) -> tuple[int, int]:
     total = kept = 0
     for m in messages:
         n = len(m.content)
-        total += n + len(m.reasoning or "") + sum(len(tc.arguments) for tc in m.tool_calls)
+        total += n
         if m.role != "assistant":
             kept += n
+            continue
+        if m.reasoning:
+            total += len(m.reasoning)
+        for tc in m.tool_calls:
+            total += len(tc.arguments)
     return total, kept
 
 
