@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
                         "header-less so the history is matched, beside the same turns on a short history")
     p.add_argument("--history-turns", type=int, default=8, help="turns per long session (the first, untimed, carries the history)")
     p.add_argument("--history-sessions", type=int, default=3, help="long sessions per phase (one at a time)")
+    p.add_argument("--growth", type=int, default=0, metavar="TURNS",
+                   help="session-growth phase: sessions of TURNS turns of short messages, CPU per turn by turn index")
+    p.add_argument("--growth-sessions", type=int, default=5, help="sessions of the growth phase (in lockstep)")
     p.add_argument("--profile", metavar="PREFIX",
                    help="sample Splice with py-spy during its phases: PREFIX-cC.txt (collapsed stacks) and the top frames printed")
     p.add_argument("--profile-gil", action="store_true",
@@ -330,6 +333,7 @@ def run(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="splice_bench_overhead_")
     runs: list[dict] = []
     history: list[dict] = []
+    growth: list[dict] = []
     litellm_note = "skipped (--no-litellm)"
     try:
         surl = start_standin(tmp, tok, out_ids, procs)
@@ -377,7 +381,14 @@ def run(args) -> dict:
                     s["added_ms"] = {"p50_vs_chat": s["p50_ms"] - ch["p50_ms"], "p99_vs_chat": s["p99_ms"] - ch["p99_ms"],
                                      "p50_vs_generate": s["p50_ms"] - gen["p50_ms"], "p99_vs_generate": s["p99_ms"] - gen["p99_ms"]}
             runs.append(row)
-        history = _history_phases(args, tok, base, _history_target(tmp, surl, tok_dir, procs), tmp) if args.history else []
+        second = _history_target(tmp, surl, tok_dir, procs) if args.history or args.growth else None
+        history = _history_phases(args, tok, base, second, tmp) if args.history else []
+        if args.growth:
+            from .growth import run_growth
+
+            print(f"growth: {args.growth_sessions} session(s) x {args.growth} turns ...", flush=True)
+            growth = run_growth(second["spec"]["port"], second["pid"], args.growth, args.growth_sessions,
+                                max(1, args.growth // 5), _cpu_seconds)  # fmt: skip
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -390,7 +401,12 @@ def run(args) -> dict:
     _print(runs, targets, len(out_ids), litellm_note, _table)
     if history:
         _print_history(history)
+    if growth:
+        from .growth import print_growth
+
+        print_growth(growth, args.growth_sessions)
     return {"bench": "overhead", "output_tokens_per_turn": len(out_ids), "cpu_count": os.cpu_count(), "history": history,
+            "growth": growth,
             "litellm": litellm_note, "targets": {t["key"]: t["label"] for t in targets}, "runs": runs,
             "method": "zero-latency stand-in; load generator, stand-in and each proxy in separate processes on one machine; "
                       "latency measured by the load generator; CPU from /proc utime+stime (+children) around each phase, "
