@@ -25,10 +25,10 @@ from tokenization.incremental import CONTENT, REASONING, StopTextFilter, Strippe
 from ..errors import APIError, bad_request
 from ..ids import call_id, chat_completion_id
 from ..session import Presentation, TurnResult, TurnRunner
-from .content import check_tool_choice, message_of, name_tool_messages, offer_tools, text_of, tool_choice_control
+from .content import check_tool_choice, message_of, offer_tools, text_of, tool_choice_control
 from .context import DialectContext, turn_request
 from .images import ImageInput, ImageRequest
-from .history_memo import Converted, HistoryMemo, plain
+from .history_memo import ConvertItem, HistoryMemo, Reuse, convert
 from .jsonio import JSONResponse, body_schema, build, check_body_depth, dumps, parse_json_object, validate
 from .models import ChatCompletionRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
@@ -70,26 +70,24 @@ def _tool_calls_of(raw: Any, where: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def messages_to_conversation(
-    messages: list[dict[str, Any]], images: ImageRequest | None = None, prefix: Converted | None = None
-) -> tuple[list[Message], list[str]]:
+def messages_to_conversation(messages: list[dict[str, Any]], images: ImageRequest | None = None) -> tuple[list[Message], list[str]]:
     """Chat messages -> ``Message``s; also the tool-call ids they carry, in order.
 
     ``image_url`` parts of user and tool messages become image parts through ``images`` (a
-    text-only model's requests get a 400). ``prefix``: what the first messages converted to in
-    an earlier request (``HistoryMemo.match``); only the ones after it are converted."""
-    msgs, ids, _ = _convert(messages, images, prefix)
-    return msgs, ids
+    text-only model's requests get a 400)."""
+    conv = convert(messages, _message_converter(images), None)
+    return conv.messages, conv.ids
 
 
-def _convert(
-    messages: list[dict[str, Any]], images: ImageRequest | None, prefix: Converted | None
-) -> tuple[list[Message], list[str], dict[str, str]]:
+def keepable(m: Any) -> bool:
+    """A message ``history_memo`` may keep: string (or no) content, so no image parts."""
+    return type(m) is dict and (m.get("content") is None or type(m.get("content")) is str)
+
+
+def _message_converter(images: ImageRequest | None) -> ConvertItem:
     images = images if images is not None else ImageRequest(None)
-    start = len(prefix.raw) if prefix is not None else 0
-    out: list[Message] = []
-    ids: list[str] = []
-    for i, m in enumerate(messages[start:] if start else messages, start):
+
+    def one(i: int, m: Any) -> tuple[tuple[Message, ...], tuple[str, ...]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad_request(f"{where} must be an object", code="invalid_value", param=where)
@@ -100,11 +98,10 @@ def _convert(
             if content is None:
                 raise bad_request(f"{where} ({role}) needs 'content'", code="missing_required_parameter", param=f"{where}.content")
             if isinstance(content, str):
-                out.append(Message(role=role, content=content))
-            else:
-                imgs = images if role == "user" else None
-                out.append(message_of(role, content, f"{where}.content", images=imgs, allow_refusal=False))
-        elif role == "assistant":
+                return (Message(role=role, content=content),), ()
+            imgs = images if role == "user" else None
+            return (message_of(role, content, f"{where}.content", images=imgs, allow_refusal=False),), ()
+        if role == "assistant":
             calls = _tool_calls_of(m.get("tool_calls"), f"{where}.tool_calls")
             if m.get("function_call") is not None:
                 raise bad_request(f"{where}.function_call is deprecated and not supported; use tool_calls", code="unsupported_parameter", param=f"{where}.function_call")
@@ -114,35 +111,20 @@ def _convert(
             if reasoning is not None and not isinstance(reasoning, str):
                 raise bad_request(f"{where}.reasoning_content must be a string", code="invalid_value", param=f"{where}.reasoning_content")
             text = content if isinstance(content, str) else text_of(content, f"{where}.content")
-            ids.extend(tc.id for tc in calls)
-            out.append(Message(role="assistant", content=text, reasoning=reasoning or None, tool_calls=calls))
-        elif role == "tool":
+            return (Message(role="assistant", content=text, reasoning=reasoning or None, tool_calls=calls),), tuple(tc.id for tc in calls)
+        if role == "tool":
             tcid = m.get("tool_call_id")
             if not isinstance(tcid, str) or not tcid:
                 raise bad_request(f"{where} (tool) needs a 'tool_call_id'", code="missing_required_parameter", param=f"{where}.tool_call_id")
             name = m.get("name") if isinstance(m.get("name"), str) else None
-            ids.append(tcid)
             if isinstance(content, str):
-                out.append(Message(role="tool", content=content, tool_call_id=tcid, name=name))
-            else:
-                out.append(message_of("tool", content, f"{where}.content", images=images, tool_call_id=tcid, name=name))
-        elif role == "function":
+                return (Message(role="tool", content=content, tool_call_id=tcid, name=name),), (tcid,)
+            return (message_of("tool", content, f"{where}.content", images=images, tool_call_id=tcid, name=name),), (tcid,)
+        if role == "function":
             raise bad_request(f"{where}: the deprecated 'function' role is not supported; use 'tool'", code="unsupported_value", param=f"{where}.role")
-        else:
-            raise bad_request(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}", code="invalid_value", param=f"{where}.role")
-    if prefix is None:
-        names: dict[str, str] = {}
-        return name_tool_messages(out, names), ids, names
-    names = dict(prefix.names)
-    return [*prefix.messages, *name_tool_messages(out, names)], [*prefix.ids, *ids], names
+        raise bad_request(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}", code="invalid_value", param=f"{where}.role")
 
-
-def _remember(memo: HistoryMemo, key: tuple | None, raw: list[Any], prefix: Converted | None, msgs: list[Message],
-              ids: list[str], names: dict[str, str], cost: int) -> None:  # fmt: skip
-    """Keep this request's conversion for the conversation's next request (plain messages only)."""
-    if key is None or not all(map(plain, raw[len(prefix.raw) if prefix is not None else 0 :])):
-        return
-    memo.keep(key, Converted(raw, tuple(msgs), tuple(ids), names, cost))
+    return one
 
 
 # ============================================================================ request -> turn
@@ -159,7 +141,7 @@ class ChatContext(DialectContext):
 
 
 def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None,
-                       memo: HistoryMemo | None = None, key: tuple | None = None, prefix: Converted | None = None,
+                       memo: HistoryMemo | None = None, key: tuple | None = None, prefix: Reuse | None = None,
                        cost: int = 0) -> ChatContext:  # fmt: skip
     """The turn a chat request asks for. ``memo`` / ``key`` / ``prefix``: the conversation's
     last request's conversion, matched against ``body["messages"]`` (``post_chat``)."""
@@ -168,9 +150,10 @@ def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner, images
     ts = offer_tools(req.tools, freeform_ok=False)
     tools = ts.tools
     check_tool_choice(req.tool_choice, tools)
-    messages, ids, names = _convert(req.messages, images, prefix)
+    conv = convert(req.messages, _message_converter(images), prefix)
+    messages, ids = conv.messages, conv.ids
     if memo is not None:
-        _remember(memo, key, body["messages"], prefix, messages, ids, names, cost)
+        memo.keep(key, body["messages"], None, conv, prefix, cost, keepable)
     treq = turn_request(
         "chat", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=ids, stop=req.stop_list,
         max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=chat_controls(req),
@@ -355,9 +338,9 @@ def chat_router(runner: TurnRunner, images: ImageInput | None = None, memo: Hist
         raw = await request.body()
         body = parse_json_object(raw)
         msgs = body.get("messages")
-        key = memo.key(msgs, request.headers.get("x-session-id")) if type(msgs) is list else None
+        key = memo.key("chat", msgs, request.headers.get("x-session-id"))
         prefix = memo.match(key, msgs)
-        check_body_depth(raw, body, items="messages", checked=len(prefix.raw) if prefix is not None else 0)
+        check_body_depth(raw, body, items="messages", checked=prefix.n if prefix is not None else 0)
         req_images = await images.prepare(body) if images is not None else None
         ctx = build(build_chat_context, body, request.headers, runner, req_images, memo, key, prefix, len(raw))
         if not ctx.req.stream:

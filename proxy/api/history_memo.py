@@ -2,17 +2,21 @@
 what it adds.
 
 An agent resends its whole history every turn: at 200 messages, checking their nesting and
-converting each one to a ``Message`` cost more than everything else a turn does, and it grew
-with every turn. A request whose first messages equal, as parsed JSON, the messages of a
-conversation's previous request reuses what they became. The comparison is one C-level
-``==`` of the two lists (dicts and strings compared by value), so a reuse is never a guess,
-and it costs a fraction of converting them.
+converting each one to ``Message``s cost more than everything else a turn does, and it grew
+with every turn. A request whose first items (chat or Anthropic messages) equal, as parsed
+JSON, the first items of the conversation's previous request reuses what they became; the
+comparison runs in C (dicts and strings compared by value), so a reuse is never a guess and
+costs a fraction of a conversion. ``==`` equates ``1``, ``1.0`` and ``True``, which convert
+differently (tool-call arguments are written out as JSON): an item holding a number or a
+boolean is also compared as JSON bytes. The comparison finds the longest equal prefix, since
+clients move per-message markers (Anthropic's ``cache_control``) to the newest messages.
 
-Only plain messages are kept: string (or absent) content, no image or other content parts
-(an image part is resolved per request). Conversations are told apart by the session header
-when there is one, else by the start of their first three messages (a group's sessions share
-a system prompt and task, and part at the first answer); two that look alike only take turns
-missing. Memory is bounded by the request bytes kept, least recently used dropped first.
+Items whose conversion depends on more than themselves and the items before them are never
+kept: content parts that may hold images (resolved per request). Conversations are told apart
+by the session header when there is one, else by the start of their first three items (a
+group's sessions share a system prompt and task, and part at the first answer); two that look
+alike only take turns missing. Memory is bounded by the request bytes kept, least recently
+used dropped first.
 """
 
 from __future__ import annotations
@@ -20,47 +24,102 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from itertools import chain
+from typing import Any, Callable, NamedTuple, Sequence
+
+import orjson
 
 from tokenization.conversation import Message
+
+from .content import name_tool_messages
+
+ConvertItem = Callable[[int, Any], tuple[Sequence[Message], Sequence[str]]]
 
 
 @dataclass(frozen=True)
 class Converted:
-    """A request's plain leading messages (as parsed) and what they converted to."""
+    """A request's leading items (as parsed) and what each became."""
 
-    raw: list[dict[str, Any]]
-    messages: tuple[Message, ...]
-    ids: tuple[str, ...]  # the tool-call ids they carry, in order
-    names: dict[str, str]  # tool-call id -> function name (for the tool messages after them)
+    raw: list[Any]
+    items: tuple[tuple[Message, ...], ...]  # per item: its messages, tool messages named
+    ids: tuple[tuple[str, ...], ...]  # per item: the tool-call (and other Splice) ids it carries
+    exact: dict[int, bytes]  # items holding numbers or booleans -> their JSON
+    head: Any  # what precedes the items and must match too (the Anthropic system text)
+    names: dict[str, str]  # tool-call id -> function name, after all items
     cost: int
 
 
-def plain(m: Any) -> bool:
-    """A message whose conversion depends on nothing but itself and the messages before it, and
-    on no value that ``==`` equates with a different one (``1 == 1.0 == True``): string content,
-    tool-call arguments as strings (an object would be written out as JSON)."""
-    if type(m) is not dict:
-        return False
-    content = m.get("content")
-    if content is not None and type(content) is not str:
-        return False
-    calls = m.get("tool_calls")
-    if calls is None:
-        return True
-    return type(calls) is list and all(
-        type(tc) is dict and type(fn := tc.get("function")) is dict and type(fn.get("arguments", "")) is str for tc in calls
-    )
+class Reuse(NamedTuple):
+    entry: Converted
+    n: int  # leading items reused
+
+
+class Conversion(NamedTuple):
+    messages: list[Message]
+    ids: list[str]
+    items: list[tuple[Message, ...]]
+    item_ids: list[tuple[str, ...]]
+    names: dict[str, str]
+
+
+def has_numbers(value: Any) -> bool:
+    """Whether a JSON value holds a number or a boolean anywhere (``==`` is not exact there)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is dict:
+            stack.extend(v.values())
+        elif t is list:
+            stack.extend(v)
+        elif t is not str and v is not None:
+            return True
+    return False
+
+
+def _text_sig(content: Any) -> tuple:
+    if type(content) is str:
+        return (len(content), content[:64])
+    if type(content) is not list:
+        return (type(content).__name__,)
+    out = []
+    for b in content[:4]:
+        if type(b) is not dict:
+            out.append((type(b).__name__,))
+            continue
+        t = b.get("text")
+        t = t if type(t) is str else b.get("thinking") if type(b.get("thinking")) is str else ""
+        out.append((b.get("type"), b.get("id") or b.get("tool_use_id"), len(t), t[:64]))
+    return tuple(out)
 
 
 def _sig(m: Any) -> tuple:
+    """Where conversations part: role, the start of the text, the first call's id (bounded work)."""
     if type(m) is not dict:
-        return (None,)
-    content = m.get("content")
-    text = content[:64] if type(content) is str else None
+        return (type(m).__name__,)
     calls = m.get("tool_calls")
-    first = repr(calls[0])[:128] if type(calls) is list and calls else None
-    return (m.get("role"), len(content) if type(content) is str else -1, text, first)
+    first = calls[0].get("id") if type(calls) is list and calls and type(calls[0]) is dict else None
+    return (m.get("role"), _text_sig(m.get("content")), first)
+
+
+def convert(raw: list[Any], convert_item: ConvertItem, reuse: Reuse | None) -> Conversion:
+    """Convert ``raw`` item by item, starting after the reused ones; tool messages are named
+    after the calls before them."""
+    k = reuse.n if reuse is not None else 0
+    if k:
+        e = reuse.entry
+        items, item_ids = list(e.items[:k]), list(e.ids[:k])
+        if k == len(e.raw):
+            names = dict(e.names)
+        else:
+            names = {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
+    else:
+        items, item_ids, names = [], [], {}
+    for i in range(k, len(raw)):
+        msgs, ids = convert_item(i, raw[i])
+        items.append(tuple(name_tool_messages(list(msgs), names)))
+        item_ids.append(tuple(ids))
+    return Conversion(list(chain.from_iterable(items)), list(chain.from_iterable(item_ids)), items, item_ids, names)
 
 
 class HistoryMemo:
@@ -73,25 +132,54 @@ class HistoryMemo:
         self._lock = threading.Lock()
         self.reused = 0  # requests that reused a kept prefix (a count for tests and benches)
 
-    def key(self, raw: list[Any], session_id: str | None) -> tuple | None:
-        if len(raw) < self.min_messages:
+    def key(self, dialect: str, raw: Any, session_id: str | None) -> tuple | None:
+        """Where a conversation's conversion is kept (None: too short to be worth keeping).
+        Dialects convert equal JSON differently, so each has its own keys."""
+        if type(raw) is not list or len(raw) < self.min_messages:
             return None
-        return (session_id, _sig(raw[0]), _sig(raw[1]), _sig(raw[2]))
+        return (dialect, session_id, _sig(raw[0]), _sig(raw[1]), _sig(raw[2]))
 
-    def match(self, key: tuple | None, raw: list[Any]) -> Converted | None:
-        """The kept conversion whose raw messages are exactly ``raw``'s first ones, else None."""
+    def match(self, key: tuple | None, raw: list[Any], head: Any = None) -> Reuse | None:
+        """The kept conversion and how many of ``raw``'s first items equal its items, or None."""
         if key is None:
             return None
         with self._lock:
             hit = self._kept.get(key)
-        if hit is None or len(hit.raw) > len(raw) or raw[: len(hit.raw)] != hit.raw:
+        if hit is None or type(hit.head) is not type(head) or hit.head != head:
+            return None
+        kept = hit.raw
+        n = min(len(kept), len(raw))
+        if raw[:n] != kept[:n]:  # one C-level comparison in the usual case; else the first difference
+            n = next(i for i in range(n) if raw[i] != kept[i])
+        for i, exact in hit.exact.items():
+            if i < n and orjson.dumps(raw[i]) != exact:
+                n = i
+        if not n:
             return None
         self.reused += 1
-        return hit
+        return Reuse(hit, n)
 
-    def keep(self, key: tuple | None, entry: Converted) -> None:
-        if key is None or entry.cost > self.max_bytes:
+    def keep(self, key: tuple | None, raw: list[Any], head: Any, conv: Conversion, reuse: Reuse | None, cost: int,
+             keepable: Callable[[Any], bool]) -> None:  # fmt: skip
+        """Keep ``conv`` for the conversation's next request, up to its first item ``keepable``
+        refuses."""
+        if key is None or cost > self.max_bytes:
             return
+        k = reuse.n if reuse is not None else 0
+        exact = {i: b for i, b in reuse.entry.exact.items() if i < k} if reuse is not None else {}
+        end = len(raw)
+        for i in range(k, len(raw)):
+            item = raw[i]
+            if not keepable(item):
+                end = i
+                break
+            if has_numbers(item):
+                exact[i] = orjson.dumps(item)
+        if end == 0:
+            return
+        items = tuple(conv.items[:end])
+        names = conv.names if end == len(raw) else {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
+        entry = Converted(raw[:end] if end < len(raw) else raw, items, tuple(conv.item_ids[:end]), exact, head, names, cost)
         with self._lock:
             old = self._kept.pop(key, None)
             if old is not None:

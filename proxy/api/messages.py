@@ -23,10 +23,11 @@ from tokenization.conversation import Message, ToolCall
 
 from ..errors import APIError, bad_request
 from ..session import TurnRunner
-from .content import ToolSet, name_tool_messages, offer_tools, parts_of, text_of
+from .content import ToolSet, offer_tools, parts_of, text_of
 from .context import turn_request
 from .images import ImageInput, ImageRequest
-from .jsonio import JSONResponse, body_schema, build, parse_json_body, validate
+from .history_memo import ConvertItem, HistoryMemo, Reuse, convert
+from .jsonio import JSONResponse, body_schema, build, check_body_depth, parse_json_body, parse_json_object, validate
 from .messages_errors import anthropic_error, error_response, is_messages_path
 from .messages_output import (
     MessagesContext, content_blocks, message_body, message_skeleton, message_usage, stop_reason_of, tool_input,
@@ -129,28 +130,61 @@ def messages_to_conversation(system: Any, messages: list[dict[str, Any]], images
 
     ``image`` blocks of user messages and of ``tool_result`` content become image parts through
     ``images`` (a text-only model's requests get a 400)."""
-    images = images if images is not None else ImageRequest(None)
-    out: list[Message] = []
-    ids: list[str] = []
     sys_text = _system_text(system)
-    if sys_text:
-        out.append(Message(role="system", content=sys_text))
-    for i, m in enumerate(messages):
+    conv = convert(messages, _message_converter(images), None)
+    return _with_system(sys_text, conv.messages), conv.ids
+
+
+def _head(system: Any) -> str | None:
+    """The system text a kept conversion must share (None while the system is invalid)."""
+    try:
+        return _system_text(system)
+    except (APIError, TypeError, AttributeError):  # validation reports it, in its own words
+        return None
+
+
+def _with_system(sys_text: str, messages: list[Message]) -> list[Message]:
+    return [Message(role="system", content=sys_text), *messages] if sys_text else messages
+
+
+def keepable(m: Any) -> bool:
+    """A message ``history_memo`` may keep: no image blocks (resolved per request)."""
+    if type(m) is not dict:
+        return False
+    content = m.get("content")
+    if type(content) is str:
+        return True
+    if type(content) is not list:
+        return False
+    for b in content:
+        if type(b) is not dict or b.get("type") == "image":
+            return False
+        if b.get("type") == "tool_result" and type(inner := b.get("content")) is list:
+            if any(type(x) is not dict or x.get("type") == "image" for x in inner):
+                return False
+    return True
+
+
+def _message_converter(images: ImageRequest | None) -> ConvertItem:
+    images = images if images is not None else ImageRequest(None)
+
+    def one(i: int, m: Any) -> tuple[list[Message], list[str]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad_request(f"{where} must be an object", param=where)
         role, content = m.get("role"), m.get("content")
         if not isinstance(content, (str, list)) or (isinstance(content, list) and not all(isinstance(b, dict) for b in content)):
             raise bad_request(f"{where}.content must be a string or a list of content blocks", param=f"{where}.content")
+        ids: list[str] = []
         if role == "assistant":
-            out.append(_assistant(content, where, ids))
-        elif role == "user":
-            out.extend(_user(content, where, ids, images))
-        elif role == "system":  # Claude Code's mid-conversation system messages
-            out.append(Message(role="system", content=text_of(content, f"{where}.content")))
-        else:
-            raise bad_request(f"{where}.role: expected 'user' or 'assistant', got {role!r}", param=f"{where}.role")
-    return name_tool_messages(out), ids
+            return [_assistant(content, where, ids)], ids
+        if role == "user":
+            return _user(content, where, ids, images), ids
+        if role == "system":  # Claude Code's mid-conversation system messages
+            return [Message(role="system", content=text_of(content, f"{where}.content"))], ids
+        raise bad_request(f"{where}.role: expected 'user' or 'assistant', got {role!r}", param=f"{where}.role")
+
+    return one
 
 
 def check_tool_choice(tool_choice: dict[str, Any] | None, ts: ToolSet) -> None:
@@ -186,12 +220,22 @@ def messages_controls(req: MessagesRequest) -> dict[str, Any]:
 
 
 
-def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None) -> MessagesContext:
+def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None,
+                           memo: HistoryMemo | None = None, key: tuple | None = None, prefix: Reuse | None = None,
+                           cost: int = 0) -> MessagesContext:  # fmt: skip
+    """The turn a Messages request asks for. ``memo`` / ``key`` / ``prefix``: the conversation's
+    last request's conversion, matched against ``body["messages"]`` (``post_message``)."""
     req: MessagesRequest = validate(MessagesRequest, body)
     req.check_supported()
     ts = offer_tools(req.tools)
     check_tool_choice(req.tool_choice, ts)
-    messages, ids = messages_to_conversation(req.system, req.messages, images)
+    sys_text = _system_text(req.system)
+    if prefix is not None and prefix.entry.head != sys_text:
+        prefix = None
+    conv = convert(req.messages, _message_converter(images), prefix)
+    messages, ids = _with_system(sys_text, conv.messages), conv.ids
+    if memo is not None:
+        memo.keep(key, body["messages"], sys_text, conv, prefix, cost, keepable)
     treq = turn_request(
         "messages", req, headers, model=runner.model_name, messages=messages, tools=ts.tools, hints=ids,
         stop=list(req.stop_sequences or []), max_output_tokens=req.max_tokens, not_offered=ts.not_offered,
@@ -226,17 +270,25 @@ def count_tokens(body: dict[str, Any], runner: TurnRunner, images: ImageRequest 
 # ============================================================================ router
 
 
-def messages_router(runner: TurnRunner, images: ImageInput | None = None) -> APIRouter:
+def messages_router(runner: TurnRunner, images: ImageInput | None = None, memo: HistoryMemo | None = None) -> APIRouter:
     """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``; errors in Anthropic's shape.
-    ``images``: the app's image input (None: text only)."""
+    ``images``: the app's image input (None: text only). ``memo``: each conversation's last
+    request, converted (proxy/api/history_memo.py)."""
     router = APIRouter()
+    memo = memo if memo is not None else HistoryMemo()
 
     @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
     async def post_message(request: Request):
         try:
-            body = parse_json_body(await request.body())
+            raw = await request.body()
+            body = parse_json_object(raw)
+            msgs = body.get("messages")
+            h = request.headers
+            key = memo.key("messages", msgs, h.get("x-session-id") or h.get("x-claude-code-session-id"))
+            prefix = memo.match(key, msgs, _head(body.get("system"))) if key is not None else None
+            check_body_depth(raw, body, items="messages", checked=prefix.n if prefix is not None else 0)
             req_images = await images.prepare(body) if images is not None else None
-            ctx = build(build_messages_context, body, request.headers, runner, req_images)
+            ctx = build(build_messages_context, body, request.headers, runner, req_images, memo, key, prefix, len(raw))
             if not ctx.req.stream:
                 result = await run_turn(runner, ctx.turn, request)
                 return JSONResponse(result.encoded, headers=splice_headers(result))

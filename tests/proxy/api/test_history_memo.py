@@ -15,7 +15,8 @@ import pytest
 import respx
 
 from engines.pool import EnginePool
-from proxy.api.history_memo import Converted, HistoryMemo, plain
+from proxy.api.chat import _message_converter, keepable
+from proxy.api.history_memo import HistoryMemo, convert
 from proxy.app import create_app
 from proxy.settings import Settings
 from tests.fakes.engines import FakeSGLang, Step
@@ -105,29 +106,116 @@ def test_a_deep_value_in_an_added_message_is_still_a_400(tmp_path):
     assert "nested" in last.json()["error"]["message"]
 
 
-def test_only_messages_whose_equal_values_convert_alike_are_kept():
-    assert plain({"role": "user", "content": "hi"})
-    assert plain({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]})
-    # {"a": 1} == {"a": 1.0} == {"a": True}, but each would be written out differently
-    assert not plain({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {"a": 1}}}]})
-    assert not plain({"role": "user", "content": [{"type": "text", "text": "hi"}]})  # parts (images) resolve per request
-    assert not plain("hi")
+def test_values_that_compare_equal_but_convert_differently_are_compared_as_json():
+    memo = HistoryMemo(min_messages=3)
+    head = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"n": 1}}}  # an object, not a string
+    raw = head + [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    key = memo.key("chat", raw, None)
+    conv = convert(raw, _message_converter(None), None)
+    memo.keep(key, raw, None, conv, None, 100, keepable)
+    assert conv.messages[2].tool_calls[0].arguments == '{"n":1}'
+    same = orjson.loads(orjson.dumps(raw)) + [{"role": "user", "content": "next"}]
+    assert memo.match(key, same).n == 4
+    # {"n": 1.0} == {"n": 1} == {"n": True} in Python, but each is written out differently
+    for other in (1.0, True):
+        changed = orjson.loads(orjson.dumps(raw))
+        changed[2]["tool_calls"][0]["function"]["arguments"] = {"n": other}
+        reuse = memo.match(key, changed)
+        assert reuse.n == 2  # only the messages before it are reused
+        got = convert(changed, _message_converter(None), reuse)
+        assert got.messages[2].tool_calls[0].arguments == orjson.dumps({"n": other}).decode()
+        assert got.messages == convert(changed, _message_converter(None), None).messages
+
+
+def test_a_moved_marker_reuses_the_messages_before_it_and_image_parts_are_never_kept():
+    memo = HistoryMemo(min_messages=3)
+    raw = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+           {"role": "user", "content": "v", "cache_control": {"type": "ephemeral"}}]  # fmt: skip
+    key = memo.key("chat", raw, None)
+    memo.keep(key, raw, None, convert(raw, _message_converter(None), None), None, 100, keepable)
+    nxt = raw[:3] + [{"role": "user", "content": "v"}, {"role": "assistant", "content": "b"}]
+    assert memo.match(key, nxt).n == 3  # the marker moved off message 3: messages 0-2 are reused
+    assert not keepable({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]})
+    assert not keepable("hi")
+    with_image = raw[:3] + [{"role": "user", "content": [{"type": "text", "text": "look"}]}]
+    memo.keep(key, with_image, None, convert(with_image, _message_converter(None), None), None, 100, keepable)
+    assert len(memo._kept[key].raw) == 3  # kept up to the first message with content parts
 
 
 def test_a_match_needs_the_exact_kept_messages_and_memory_stays_bounded():
     memo = HistoryMemo(min_messages=3, max_bytes=1000)
     raw = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-    assert memo.key(raw[:2], None) is None  # too short to bother
-    key = memo.key(raw, None)
-    memo.keep(key, Converted(orjson.loads(orjson.dumps(raw)), (), (), {}, 400))
+    assert memo.key("chat", raw[:2], None) is None  # too short to bother
+    key = memo.key("chat", raw, None)
+    memo.keep(key, orjson.loads(orjson.dumps(raw)), None, convert(raw, _message_converter(None), None), None, 400, keepable)
     longer = raw + [{"role": "user", "content": "next"}]
-    assert memo.match(key, longer) is not None
+    assert memo.match(key, longer).n == 3
+    assert memo.match(key, longer, head="other system text") is None  # what precedes the messages must match too
     changed = [raw[0], {"role": "user", "content": "U"}, raw[2], longer[3]]
-    assert memo.match(memo.key(changed, None), changed) is None
-    assert memo.match(key, raw[:2] + [{"role": "assistant", "content": "b"}]) is None
-    assert memo.key(raw, "sess-1") != key  # a session header keeps look-alike conversations apart
+    assert memo.match(memo.key("chat", changed, None), changed) is None
+    edited = [raw[0], {"role": "user", "content": "U"}, raw[2]]
+    assert memo.match(key, edited).n == 1  # only the messages before the edit are reused
+    assert convert(edited, _message_converter(None), memo.match(key, edited)).messages[1].content == "U"
+    assert memo.key("chat", raw, "sess-1") != key  # a session header keeps look-alike conversations apart
+    conv = convert(raw, _message_converter(None), None)
     for i in range(5):  # 400 bytes each against a 1000-byte bound: the oldest go first
-        memo.keep(("k", i), Converted([], (), (), {}, 400))
+        memo.keep(("k", i), raw, None, conv, None, 400, keepable)
     assert len(memo._kept) == 2 and memo._bytes == 800
-    memo.keep(("big",), Converted([], (), (), {}, 5000))  # larger than the whole bound: not kept
+    memo.keep(("big",), raw, None, conv, None, 5000, keepable)  # larger than the whole bound: not kept
     assert ("big",) not in memo._kept
+
+
+def _anthropic_loop(tmp_path, *, min_messages: int, edit_at: int | None = None):
+    """A Claude Code-like loop over /v1/messages: tool_use inputs holding numbers, tool_result
+    blocks, and a cache_control marker that moves to the newest message every turn."""
+
+    async def main():
+        with respx.mock(assert_all_called=False) as router:
+            engine = FakeSGLang(router, URL, context_length=32_768)
+            engine.script = [_step(k) for k in range(TURNS)]
+            app = create_app(Settings(store=str(tmp_path / "s.sqlite"), engine_url=[URL]), fmt=ChatFormat(TOK, "qwen3"),
+                             pool=EnginePool("sglang", [URL], health_interval_s=0))  # fmt: skip
+            app.state.history_memo.min_messages = min_messages
+            tools = [{"name": "run", "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
+            replies = []
+            async with app.router.lifespan_context(app):
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+                    msgs = [{"role": "user", "content": [{"type": "text", "text": "Build the project."}]}]
+                    for k in range(TURNS):
+                        if k == edit_at:
+                            msgs[2] = {**msgs[2], "content": [{**msgs[2]["content"][0], "content": "EDITED-OUTPUT"}]}
+                        marked = [dict(m) for m in msgs]
+                        last = dict(marked[-1])
+                        last["content"] = [*last["content"][:-1], {**last["content"][-1], "cache_control": {"type": "ephemeral"}}]
+                        marked[-1] = last
+                        body = {"model": "m", "max_tokens": 256, "system": [{"type": "text", "text": "You run commands."}],
+                                "messages": marked, "tools": tools}  # fmt: skip
+                        r = await c.post("/v1/messages", json=body, headers={"x-claude-code-session-id": "cc-1"})
+                        replies.append(r)
+                        assert r.status_code == 200, r.text
+                        use = next(b for b in r.json()["content"] if b["type"] == "tool_use")
+                        use = {**use, "input": {**use["input"], "timeout": 120000, "verbose": True}}  # numbers and booleans
+                        msgs = msgs + [
+                            {"role": "assistant", "content": [use]},
+                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": f"ok {k}"}]},
+                        ]
+            return [req["input_ids"] for req in engine.requests], replies, app.state.history_memo
+
+    return asyncio.run(main())
+
+
+def test_a_claude_code_like_loop_sends_the_engine_what_it_sends_without_the_memo(tmp_path):
+    with_memo, _, memo = _anthropic_loop(tmp_path / "a", min_messages=4)
+    without, _, memo_off = _anthropic_loop(tmp_path / "b", min_messages=10**9)
+    assert memo.reused >= TURNS - 3 and memo_off.reused == 0
+    assert with_memo == without
+    for prev, cur in zip(with_memo, with_memo[1:]):
+        assert cur[: len(prev)] == prev  # spliced every turn
+    assert '"timeout": 120000' in TOK.decode(with_memo[-1]) or '"timeout":120000' in TOK.decode(with_memo[-1])
+
+
+def test_an_edited_tool_result_in_a_claude_code_like_loop_is_seen(tmp_path):
+    sent, _, memo = _anthropic_loop(tmp_path, min_messages=4, edit_at=9)
+    assert memo.reused > 0
+    assert "EDITED-OUTPUT" in TOK.decode(sent[9]) and "EDITED-OUTPUT" not in TOK.decode(sent[8])
