@@ -53,8 +53,10 @@ def add_parser(sub) -> None:
     p.add_argument("--history-turns", type=int, default=8, help="turns per long session (the first, untimed, carries the history)")
     p.add_argument("--history-sessions", type=int, default=3, help="long sessions per phase (one at a time)")
     p.add_argument("--growth", type=int, default=0, metavar="TURNS",
-                   help="session-growth phase: sessions of TURNS turns of short messages, CPU per turn by turn index")
-    p.add_argument("--growth-sessions", type=int, default=5, help="sessions of the growth phase (in lockstep)")
+                   help="session-growth phase: CPU per turn on sessions grown to TURNS turns of short messages "
+                        "against fresh ones, in alternating blocks")
+    p.add_argument("--growth-sessions", type=int, default=5, help="sessions of each kind in the growth phase")
+    p.add_argument("--growth-rounds", type=int, default=10, help="rounds of alternating blocks in the growth phase")
     p.add_argument("--profile", metavar="PREFIX",
                    help="sample Splice with py-spy during its phases: PREFIX-cC.txt (collapsed stacks) and the top frames printed")
     p.add_argument("--profile-gil", action="store_true",
@@ -333,7 +335,7 @@ def run(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="splice_bench_overhead_")
     runs: list[dict] = []
     history: list[dict] = []
-    growth: list[dict] = []
+    growth: dict = {}
     litellm_note = "skipped (--no-litellm)"
     try:
         surl = start_standin(tmp, tok, out_ids, procs)
@@ -386,9 +388,9 @@ def run(args) -> dict:
         if args.growth:
             from .growth import run_growth
 
-            print(f"growth: {args.growth_sessions} session(s) x {args.growth} turns ...", flush=True)
-            growth = run_growth(second["spec"]["port"], second["pid"], args.growth, args.growth_sessions,
-                                max(1, args.growth // 5), _cpu_seconds)  # fmt: skip
+            print(f"growth: {args.growth_sessions} session(s) grown to {args.growth} turns, {args.growth_rounds} rounds ...", flush=True)
+            growth = run_growth(second["spec"]["port"], second["pid"], args.growth, args.growth_sessions, args.growth_rounds,
+                                _cpu_seconds)  # fmt: skip
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -404,7 +406,7 @@ def run(args) -> dict:
     if growth:
         from .growth import print_growth
 
-        print_growth(growth, args.growth_sessions)
+        print_growth(growth)
     return {"bench": "overhead", "output_tokens_per_turn": len(out_ids), "cpu_count": os.cpu_count(), "history": history,
             "growth": growth,
             "litellm": litellm_note, "targets": {t["key"]: t["label"] for t in targets}, "runs": runs,
