@@ -158,6 +158,7 @@ def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner, images
         "chat", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=ids, stop=req.stop_list,
         max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=chat_controls(req),
     )
+    treq.message_chars = conv.chars
     ctx = ChatContext(req=req, turn=treq, fmt=runner.fmt)
     treq.present = ctx.present
     return ctx

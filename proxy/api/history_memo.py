@@ -31,6 +31,7 @@ import orjson
 
 from tokenization.conversation import Message
 
+from ..session.runner import message_chars
 from .content import name_tool_messages
 
 ConvertItem = Callable[[int, Any], tuple[Sequence[Message], Sequence[str]]]
@@ -46,6 +47,7 @@ class Converted:
     exact: dict[int, bytes]  # items holding numbers or booleans -> their JSON
     head: Any  # what precedes the items and must match too (the Anthropic system text)
     names: dict[str, str]  # tool-call id -> function name, after all items
+    chars: tuple[int, int]  # ``message_chars`` of all items' messages
     cost: int
 
 
@@ -60,6 +62,7 @@ class Conversion(NamedTuple):
     items: list[tuple[Message, ...]]
     item_ids: list[tuple[str, ...]]
     names: dict[str, str]
+    chars: tuple[int, int]  # (all, kept) characters of ``messages`` (``proxy.session.runner.message_chars``)
 
 
 def has_numbers(value: Any) -> bool:
@@ -106,20 +109,24 @@ def convert(raw: list[Any], convert_item: ConvertItem, reuse: Reuse | None) -> C
     """Convert ``raw`` item by item, starting after the reused ones; tool messages are named
     after the calls before them."""
     k = reuse.n if reuse is not None else 0
+    whole = k > 0 and k == len(reuse.entry.raw)
     if k:
         e = reuse.entry
         items, item_ids = list(e.items[:k]), list(e.ids[:k])
-        if k == len(e.raw):
-            names = dict(e.names)
-        else:
-            names = {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
+        names = dict(e.names) if whole else {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
     else:
         items, item_ids, names = [], [], {}
     for i in range(k, len(raw)):
         msgs, ids = convert_item(i, raw[i])
         items.append(tuple(name_tool_messages(list(msgs), names)))
         item_ids.append(tuple(ids))
-    return Conversion(list(chain.from_iterable(items)), list(chain.from_iterable(item_ids)), items, item_ids, names)
+    messages = list(chain.from_iterable(items))
+    if whole:  # count only the added messages' characters
+        added = message_chars(list(chain.from_iterable(items[k:])))
+        chars = (reuse.entry.chars[0] + added[0], reuse.entry.chars[1] + added[1])
+    else:
+        chars = message_chars(messages)
+    return Conversion(messages, list(chain.from_iterable(item_ids)), items, item_ids, names, chars)
 
 
 class HistoryMemo:
@@ -178,8 +185,12 @@ class HistoryMemo:
         if end == 0:
             return
         items = tuple(conv.items[:end])
-        names = conv.names if end == len(raw) else {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
-        entry = Converted(raw[:end] if end < len(raw) else raw, items, tuple(conv.item_ids[:end]), exact, head, names, cost)
+        if end == len(raw):
+            names, chars = conv.names, conv.chars
+        else:
+            names = {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
+            chars = message_chars(list(chain.from_iterable(items)))
+        entry = Converted(raw[:end] if end < len(raw) else raw, items, tuple(conv.item_ids[:end]), exact, head, names, chars, cost)
         with self._lock:
             old = self._kept.pop(key, None)
             if old is not None:

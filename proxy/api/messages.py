@@ -241,6 +241,7 @@ def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner, im
         stop=list(req.stop_sequences or []), max_output_tokens=req.max_tokens, not_offered=ts.not_offered,
         controls=messages_controls(req),
     )  # fmt: skip
+    treq.message_chars = (conv.chars[0] + len(sys_text), conv.chars[1] + len(sys_text))  # with the system message
     ctx = MessagesContext(req=req, turn=treq, fmt=runner.fmt, toolset=ts)
     treq.present = ctx.present
     return ctx

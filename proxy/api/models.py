@@ -9,11 +9,16 @@ name the offending item (``input[3]``, ``messages[2].content[1]``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import bad_request
+
+# The messages as parsed, not copied: the dialect checks each is an object where it converts it
+# (naming the item), and an agent's history of hundreds of messages was copied dict by dict
+# here on every turn. The schema still says objects.
+Messages = Annotated[list[Any], Field(json_schema_extra={"items": {"type": "object"}})]
 
 # Every integer a client sends is bounded: they reach SQLite (int64), orjson (64-bit) and the
 # engines (int32 token budgets); a version or budget this large is always a mistake.
@@ -81,7 +86,7 @@ class ChatCompletionRequest(_OpenAIModel):
     """``POST /v1/chat/completions``."""
 
     model: str | None = None
-    messages: list[dict[str, Any]]
+    messages: Messages
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -142,7 +147,7 @@ class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    messages: list[dict[str, Any]]
+    messages: Messages
     system: str | list[dict[str, Any]] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     stop_sequences: list[str] | None = None

@@ -171,7 +171,7 @@ class TurnRunner:
 
     async def _run(self, req: TurnRequest, on_tokens: TokensCallback | None) -> TurnResult:
         t_start = time.perf_counter()
-        chars, kept = message_chars(req.messages)
+        chars, kept = req.message_chars or message_chars(req.messages)
         if chars > PLAN_INLINE_CHARS:
             await self._check_fits(req, kept)
             p = await asyncio.to_thread(self._plan, req)

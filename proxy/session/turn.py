@@ -60,6 +60,7 @@ class TurnRequest:
     role_reason: str | None = None  # why the session layer chose the role (proxy.session.roles)
     compaction: str | None = None  # "summary" / "restart" when the call is part of a compaction (set by the planner)
     compacted_from: str | None = None  # the summary turn a Splice compaction item named (Responses API)
+    message_chars: tuple[int, int] | None = None  # (all, kept) characters of ``messages``, when a front end counted them
 
     @cached_property
     def tools_key(self) -> str:

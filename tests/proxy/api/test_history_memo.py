@@ -17,6 +17,7 @@ import respx
 from engines.pool import EnginePool
 from proxy.api.chat import _message_converter, keepable
 from proxy.api.history_memo import HistoryMemo, convert
+from proxy.session.runner import message_chars
 from proxy.app import create_app
 from proxy.settings import Settings
 from tests.fakes.engines import FakeSGLang, Step
@@ -126,6 +127,22 @@ def test_values_that_compare_equal_but_convert_differently_are_compared_as_json(
         got = convert(changed, _message_converter(None), reuse)
         assert got.messages[2].tool_calls[0].arguments == orjson.dumps({"n": other}).decode()
         assert got.messages == convert(changed, _message_converter(None), None).messages
+        assert got.chars == message_chars(got.messages)
+
+
+def test_a_reused_conversion_counts_the_characters_a_full_count_does():
+    memo = HistoryMemo(min_messages=3)
+    raw = [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"},
+           {"role": "assistant", "content": "a", "reasoning_content": "think",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "result"}]  # fmt: skip
+    key = memo.key("chat", raw, None)
+    memo.keep(key, raw, None, convert(raw, _message_converter(None), None), None, 100, keepable)
+    longer = orjson.loads(orjson.dumps(raw)) + [{"role": "assistant", "content": "done"}, {"role": "user", "content": "more"}]
+    reuse = memo.match(key, longer)
+    assert reuse.n == 4
+    got = convert(longer, _message_converter(None), reuse)
+    assert got.chars == message_chars(got.messages) == (3 + 4 + 1 + 5 + 8 + 6 + 4 + 4, 3 + 4 + 6 + 4)
 
 
 def test_a_moved_marker_reuses_the_messages_before_it_and_image_parts_are_never_kept():
