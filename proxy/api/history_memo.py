@@ -42,8 +42,10 @@ class Converted:
     """A request's leading items (as parsed) and what each became."""
 
     raw: list[Any]
-    items: tuple[tuple[Message, ...], ...]  # per item: its messages, tool messages named
-    ids: tuple[tuple[str, ...], ...]  # per item: the tool-call (and other Splice) ids it carries
+    items: Sequence[tuple[Message, ...]]  # per item: its messages, tool messages named
+    ids: Sequence[tuple[str, ...]]  # per item: the tool-call (and other Splice) ids it carries
+    messages: Sequence[Message]  # all items' messages, in order
+    flat_ids: Sequence[str]  # all items' ids, in order
     exact: dict[int, bytes]  # items holding numbers or booleans -> their JSON
     head: Any  # what precedes the items and must match too (the Anthropic system text)
     names: dict[str, str]  # tool-call id -> function name, after all items
@@ -120,13 +122,17 @@ def convert(raw: list[Any], convert_item: ConvertItem, reuse: Reuse | None) -> C
         msgs, ids = convert_item(i, raw[i])
         items.append(tuple(name_tool_messages(list(msgs), names)))
         item_ids.append(tuple(ids))
-    messages = list(chain.from_iterable(items))
-    if whole:  # count only the added messages' characters
-        added = message_chars(list(chain.from_iterable(items[k:])))
-        chars = (reuse.entry.chars[0] + added[0], reuse.entry.chars[1] + added[1])
+    if whole:  # the kept flat lists, extended; only the added messages' characters are counted
+        e = reuse.entry
+        added = list(chain.from_iterable(items[k:]))
+        messages = [*e.messages, *added]
+        flat_ids = [*e.flat_ids, *chain.from_iterable(item_ids[k:])]
+        chars = (e.chars[0] + (a := message_chars(added))[0], e.chars[1] + a[1])
     else:
+        messages = list(chain.from_iterable(items))
+        flat_ids = list(chain.from_iterable(item_ids))
         chars = message_chars(messages)
-    return Conversion(messages, list(chain.from_iterable(item_ids)), items, item_ids, names, chars)
+    return Conversion(messages, flat_ids, items, item_ids, names, chars)
 
 
 class HistoryMemo:
@@ -184,13 +190,15 @@ class HistoryMemo:
                 exact[i] = orjson.dumps(item)
         if end == 0:
             return
-        items = tuple(conv.items[:end])
-        if end == len(raw):
-            names, chars = conv.names, conv.chars
+        if end == len(raw):  # copies of references (the request goes on to use its lists)
+            entry = Converted(raw, tuple(conv.items), tuple(conv.item_ids), tuple(conv.messages), tuple(conv.ids), exact, head,
+                              conv.names, conv.chars, cost)  # fmt: skip
         else:
-            names = {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
-            chars = message_chars(list(chain.from_iterable(items)))
-        entry = Converted(raw[:end] if end < len(raw) else raw, items, tuple(conv.item_ids[:end]), exact, head, names, chars, cost)
+            items = conv.items[:end]
+            messages = list(chain.from_iterable(items))
+            names = {tc.id: tc.name for m in messages for tc in m.tool_calls}
+            entry = Converted(raw[:end], items, conv.item_ids[:end], messages, list(chain.from_iterable(conv.item_ids[:end])),
+                              exact, head, names, message_chars(messages), cost)  # fmt: skip
         with self._lock:
             old = self._kept.pop(key, None)
             if old is not None:
