@@ -8,6 +8,7 @@ convert differently (``1 == 1.0``) are never reused."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import httpx
 import orjson
@@ -34,36 +35,43 @@ def _step(k: int) -> Step:
     return Step(tokens=[(t, -0.25 - i / 1024) for i, t in enumerate(TOK.encode(text, add_special_tokens=False))])
 
 
+@asynccontextmanager
+async def _serving(tmp_path, min_messages: int):
+    """The real app (real Qwen3 tokenizer and template) before a scripted SGLang fake: (client, engine, app)."""
+    with respx.mock(assert_all_called=False) as router:
+        engine = FakeSGLang(router, URL, context_length=32_768)
+        engine.script = [_step(k) for k in range(TURNS)]
+        app = create_app(Settings(store=str(tmp_path / "s.sqlite"), engine_url=[URL]), fmt=ChatFormat(TOK, "qwen3"),
+                         pool=EnginePool("sglang", [URL], health_interval_s=0))  # fmt: skip
+        app.state.history_memo.min_messages = min_messages
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
+                yield c, engine, app
+
+
 def _loop(tmp_path, *, min_messages: int, edit_at: int | None = None, deep_at: int | None = None, header: bool = False):
     """A TURNS-turn tool loop through the real app; returns (engine requests, responses, memo)."""
 
     async def main():
-        with respx.mock(assert_all_called=False) as router:
-            engine = FakeSGLang(router, URL, context_length=32_768)
-            engine.script = [_step(k) for k in range(TURNS)]
-            app = create_app(Settings(store=str(tmp_path / "s.sqlite"), engine_url=[URL]), fmt=ChatFormat(TOK, "qwen3"),
-                             pool=EnginePool("sglang", [URL], health_interval_s=0))  # fmt: skip
-            app.state.history_memo.min_messages = min_messages
-            replies = []
-            async with app.router.lifespan_context(app):
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-                    msgs = [{"role": "system", "content": "You run commands."}, {"role": "user", "content": "Build the project."}]
-                    for k in range(TURNS):
-                        if k == edit_at:
-                            msgs[3] = {**msgs[3], "content": msgs[3]["content"] + " EDITED-OUTPUT"}
-                        if k == deep_at:
-                            msgs[-2] = {**msgs[-2], "extra": _nested(70)}  # the first message added since the last request
-                        r = await c.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS},
-                                         headers={"X-Session-Id": "s1"} if header else {})  # fmt: skip
-                        replies.append(r)
-                        if r.status_code != 200:
-                            break
-                        m = r.json()["choices"][0]["message"]
-                        msgs = msgs + [
-                            {"role": "assistant", "content": m.get("content"), "tool_calls": m["tool_calls"]},
-                            {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": f"ok {k}\n" * 3},
-                        ]
-            return [req["input_ids"] for req in engine.requests], replies, app.state.history_memo
+        replies = []
+        async with _serving(tmp_path, min_messages) as (c, engine, app):
+            msgs = [{"role": "system", "content": "You run commands."}, {"role": "user", "content": "Build the project."}]
+            for k in range(TURNS):
+                if k == edit_at:
+                    msgs[3] = {**msgs[3], "content": msgs[3]["content"] + " EDITED-OUTPUT"}
+                if k == deep_at:
+                    msgs[-2] = {**msgs[-2], "extra": _nested(70)}  # the first message added since the last request
+                r = await c.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS},
+                                 headers={"X-Session-Id": "s1"} if header else {})  # fmt: skip
+                replies.append(r)
+                if r.status_code != 200:
+                    break
+                m = r.json()["choices"][0]["message"]
+                msgs = msgs + [
+                    {"role": "assistant", "content": m.get("content"), "tool_calls": m["tool_calls"]},
+                    {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": f"ok {k}\n" * 3},
+                ]
+        return [req["input_ids"] for req in engine.requests], replies, app.state.history_memo
 
     return asyncio.run(main())
 
@@ -188,36 +196,29 @@ def _anthropic_loop(tmp_path, *, min_messages: int, edit_at: int | None = None):
     blocks, and a cache_control marker that moves to the newest message every turn."""
 
     async def main():
-        with respx.mock(assert_all_called=False) as router:
-            engine = FakeSGLang(router, URL, context_length=32_768)
-            engine.script = [_step(k) for k in range(TURNS)]
-            app = create_app(Settings(store=str(tmp_path / "s.sqlite"), engine_url=[URL]), fmt=ChatFormat(TOK, "qwen3"),
-                             pool=EnginePool("sglang", [URL], health_interval_s=0))  # fmt: skip
-            app.state.history_memo.min_messages = min_messages
-            tools = [{"name": "run", "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
-            replies = []
-            async with app.router.lifespan_context(app):
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
-                    msgs = [{"role": "user", "content": [{"type": "text", "text": "Build the project."}]}]
-                    for k in range(TURNS):
-                        if k == edit_at:
-                            msgs[2] = {**msgs[2], "content": [{**msgs[2]["content"][0], "content": "EDITED-OUTPUT"}]}
-                        marked = [dict(m) for m in msgs]
-                        last = dict(marked[-1])
-                        last["content"] = [*last["content"][:-1], {**last["content"][-1], "cache_control": {"type": "ephemeral"}}]
-                        marked[-1] = last
-                        body = {"model": "m", "max_tokens": 256, "system": [{"type": "text", "text": "You run commands."}],
-                                "messages": marked, "tools": tools}  # fmt: skip
-                        r = await c.post("/v1/messages", json=body, headers={"x-claude-code-session-id": "cc-1"})
-                        replies.append(r)
-                        assert r.status_code == 200, r.text
-                        use = next(b for b in r.json()["content"] if b["type"] == "tool_use")
-                        use = {**use, "input": {**use["input"], "timeout": 120000, "verbose": True}}  # numbers and booleans
-                        msgs = msgs + [
-                            {"role": "assistant", "content": [use]},
-                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": f"ok {k}"}]},
-                        ]
-            return [req["input_ids"] for req in engine.requests], replies, app.state.history_memo
+        tools = [{"name": "run", "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
+        replies = []
+        async with _serving(tmp_path, min_messages) as (c, engine, app):
+            msgs = [{"role": "user", "content": [{"type": "text", "text": "Build the project."}]}]
+            for k in range(TURNS):
+                if k == edit_at:
+                    msgs[2] = {**msgs[2], "content": [{**msgs[2]["content"][0], "content": "EDITED-OUTPUT"}]}
+                marked = [dict(m) for m in msgs]
+                last = dict(marked[-1])
+                last["content"] = [*last["content"][:-1], {**last["content"][-1], "cache_control": {"type": "ephemeral"}}]
+                marked[-1] = last
+                body = {"model": "m", "max_tokens": 256, "system": [{"type": "text", "text": "You run commands."}],
+                        "messages": marked, "tools": tools}  # fmt: skip
+                r = await c.post("/v1/messages", json=body, headers={"x-claude-code-session-id": "cc-1"})
+                replies.append(r)
+                assert r.status_code == 200, r.text
+                use = next(b for b in r.json()["content"] if b["type"] == "tool_use")
+                use = {**use, "input": {**use["input"], "timeout": 120000, "verbose": True}}  # numbers and booleans
+                msgs = msgs + [
+                    {"role": "assistant", "content": [use]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": f"ok {k}"}]},
+                ]
+        return [req["input_ids"] for req in engine.requests], replies, app.state.history_memo
 
     return asyncio.run(main())
 
