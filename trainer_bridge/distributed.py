@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -94,7 +95,14 @@ def ensure_group(dist: Dist) -> None:
 
 
 def teardown(dist: Dist) -> None:
+    """Destroy the process group ``setup`` made. On a clean exit the ranks meet at a barrier
+    first: a rank that finished early (rank 0 still writing files) would otherwise close its
+    gloo connections under the others, and gloo aborts a rank whose peer went away ("terminate
+    called without an active exception"). While an exception unwinds there is no barrier: the
+    other ranks may be inside a collective, and waiting on them would turn a crash into a hang."""
     if dist.owns_group and torch_dist.is_initialized():
+        if dist.world_size > 1 and sys.exc_info()[0] is None:
+            torch_dist.barrier()
         torch_dist.destroy_process_group()
         _remove_store_files()
 
