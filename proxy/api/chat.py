@@ -28,8 +28,8 @@ from ..session import Presentation, TurnResult, TurnRunner
 from .content import check_tool_choice, message_of, offer_tools, text_of, tool_choice_control
 from .context import DialectContext, turn_request
 from .images import ImageInput, ImageRequest
-from .history_memo import ConvertItem, HistoryMemo, Reuse, convert
-from .jsonio import JSONResponse, body_schema, build, check_body_depth, dumps, parse_json_object, validate
+from .history_memo import ConvertItem, Found, HistoryMemo, convert, read_body
+from .jsonio import JSONResponse, body_schema, build, dumps, validate
 from .models import ChatCompletionRequest
 from .output import splice_headers, splice_info, token_logprobs, usage_of
 from .streaming import DONE, TurnStream, relay, run_turn, sse_data, streaming_response
@@ -141,19 +141,18 @@ class ChatContext(DialectContext):
 
 
 def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None,
-                       memo: HistoryMemo | None = None, key: tuple | None = None, prefix: Reuse | None = None,
-                       cost: int = 0) -> ChatContext:  # fmt: skip
-    """The turn a chat request asks for. ``memo`` / ``key`` / ``prefix``: the conversation's
-    last request's conversion, matched against ``body["messages"]`` (``post_chat``)."""
+                       memo: HistoryMemo | None = None, found: Found | None = None) -> ChatContext:  # fmt: skip
+    """The turn a chat request asks for. ``memo`` / ``found``: the conversation's last
+    request's conversion, matched against ``body["messages"]`` (``read_body``)."""
     req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
     req.check_supported()
     ts = offer_tools(req.tools, freeform_ok=False)
     tools = ts.tools
     check_tool_choice(req.tool_choice, tools)
-    conv = convert(req.messages, _message_converter(images), prefix)
+    conv = convert(req.messages, _message_converter(images), found.reuse if found is not None else None)
     messages, ids = conv.messages, conv.ids
-    if memo is not None:
-        memo.keep(key, body["messages"], None, conv, prefix, cost, keepable)
+    if memo is not None and found is not None:
+        memo.keep(found.key, body["messages"], None, conv, found.reuse, found.cost, keepable)
     treq = turn_request(
         "chat", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=ids, stop=req.stop_list,
         max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=chat_controls(req),
@@ -336,14 +335,9 @@ def chat_router(runner: TurnRunner, images: ImageInput | None = None, memo: Hist
 
     @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def post_chat(request: Request):
-        raw = await request.body()
-        body = parse_json_object(raw)
-        msgs = body.get("messages")
-        key = memo.key("chat", msgs, request.headers.get("x-session-id"))
-        prefix = memo.match(key, msgs)
-        check_body_depth(raw, body, items="messages", checked=prefix.n if prefix is not None else 0)
+        body, found = read_body(await request.body(), memo, "chat", request.headers.get("x-session-id"))
         req_images = await images.prepare(body) if images is not None else None
-        ctx = build(build_chat_context, body, request.headers, runner, req_images, memo, key, prefix, len(raw))
+        ctx = build(build_chat_context, body, request.headers, runner, req_images, memo, found)
         if not ctx.req.stream:
             result = await run_turn(runner, ctx.turn, request)
             return JSONResponse(result.encoded, headers=splice_headers(result))

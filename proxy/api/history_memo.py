@@ -33,6 +33,7 @@ from tokenization.conversation import Message
 
 from ..session.runner import message_chars
 from .content import name_tool_messages
+from .jsonio import check_body_depth, parse_json_object
 
 ConvertItem = Callable[[int, Any], tuple[Sequence[Message], Sequence[str]]]
 
@@ -56,6 +57,14 @@ class Converted:
 class Reuse(NamedTuple):
     entry: Converted
     n: int  # leading items reused
+
+
+class Found(NamedTuple):
+    """A request body's place in the memo: where its conversation is kept, what of it is reused."""
+
+    key: tuple | None
+    reuse: Reuse | None
+    cost: int  # the request's bytes, what keeping its conversion counts against the bound
 
 
 class Conversion(NamedTuple):
@@ -207,3 +216,16 @@ class HistoryMemo:
             self._bytes += entry.cost
             while (self._bytes > self.max_bytes or len(self._kept) > self.max_entries) and self._kept:
                 self._bytes -= self._kept.popitem(last=False)[1].cost
+
+
+def read_body(raw: bytes, memo: HistoryMemo, dialect: str, session_id: str | None,
+              head: Callable[[dict], Any] = lambda body: None) -> tuple[dict[str, Any], Found]:  # fmt: skip
+    """A turn request's JSON object, its nesting checked except in the messages ``memo``
+    already holds, and what of its conversation ``memo`` holds. ``head(body)``: what precedes
+    the messages and must match too."""
+    body = parse_json_object(raw)
+    msgs = body.get("messages")
+    key = memo.key(dialect, msgs, session_id)
+    reuse = memo.match(key, msgs, head(body)) if key is not None else None
+    check_body_depth(raw, body, items="messages", checked=reuse.n if reuse is not None else 0)
+    return body, Found(key, reuse, len(raw))

@@ -26,8 +26,8 @@ from ..session import TurnRunner
 from .content import ToolSet, offer_tools, parts_of, text_of
 from .context import turn_request
 from .images import ImageInput, ImageRequest
-from .history_memo import ConvertItem, HistoryMemo, Reuse, convert
-from .jsonio import JSONResponse, body_schema, build, check_body_depth, parse_json_body, parse_json_object, validate
+from .history_memo import ConvertItem, Found, HistoryMemo, convert, read_body
+from .jsonio import JSONResponse, body_schema, build, parse_json_body, validate
 from .messages_errors import anthropic_error, error_response, is_messages_path
 from .messages_output import (
     MessagesContext, content_blocks, message_body, message_skeleton, message_usage, stop_reason_of, tool_input,
@@ -221,21 +221,19 @@ def messages_controls(req: MessagesRequest) -> dict[str, Any]:
 
 
 def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner, images: ImageRequest | None = None,
-                           memo: HistoryMemo | None = None, key: tuple | None = None, prefix: Reuse | None = None,
-                           cost: int = 0) -> MessagesContext:  # fmt: skip
-    """The turn a Messages request asks for. ``memo`` / ``key`` / ``prefix``: the conversation's
-    last request's conversion, matched against ``body["messages"]`` (``post_message``)."""
+                           memo: HistoryMemo | None = None, found: Found | None = None) -> MessagesContext:  # fmt: skip
+    """The turn a Messages request asks for. ``memo`` / ``found``: the conversation's last
+    request's conversion, matched against ``body["messages"]`` and the system text (``read_body``)."""
     req: MessagesRequest = validate(MessagesRequest, body)
     req.check_supported()
     ts = offer_tools(req.tools)
     check_tool_choice(req.tool_choice, ts)
     sys_text = _system_text(req.system)
-    if prefix is not None and prefix.entry.head != sys_text:
-        prefix = None
-    conv = convert(req.messages, _message_converter(images), prefix)
+    reuse = found.reuse if found is not None else None
+    conv = convert(req.messages, _message_converter(images), reuse)
     messages, ids = _with_system(sys_text, conv.messages), conv.ids
-    if memo is not None:
-        memo.keep(key, body["messages"], sys_text, conv, prefix, cost, keepable)
+    if memo is not None and found is not None:
+        memo.keep(found.key, body["messages"], sys_text, conv, reuse, found.cost, keepable)
     treq = turn_request(
         "messages", req, headers, model=runner.model_name, messages=messages, tools=ts.tools, hints=ids,
         stop=list(req.stop_sequences or []), max_output_tokens=req.max_tokens, not_offered=ts.not_offered,
@@ -281,15 +279,11 @@ def messages_router(runner: TurnRunner, images: ImageInput | None = None, memo: 
     @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
     async def post_message(request: Request):
         try:
-            raw = await request.body()
-            body = parse_json_object(raw)
-            msgs = body.get("messages")
             h = request.headers
-            key = memo.key("messages", msgs, h.get("x-session-id") or h.get("x-claude-code-session-id"))
-            prefix = memo.match(key, msgs, _head(body.get("system"))) if key is not None else None
-            check_body_depth(raw, body, items="messages", checked=prefix.n if prefix is not None else 0)
+            body, found = read_body(await request.body(), memo, "messages", h.get("x-session-id") or h.get("x-claude-code-session-id"),
+                                    lambda b: _head(b.get("system")))  # fmt: skip
             req_images = await images.prepare(body) if images is not None else None
-            ctx = build(build_messages_context, body, request.headers, runner, req_images, memo, key, prefix, len(raw))
+            ctx = build(build_messages_context, body, request.headers, runner, req_images, memo, found)
             if not ctx.req.stream:
                 result = await run_turn(runner, ctx.turn, request)
                 return JSONResponse(result.encoded, headers=splice_headers(result))
