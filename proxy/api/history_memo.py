@@ -12,7 +12,10 @@ boolean is also compared as JSON bytes. The comparison finds the longest equal p
 clients move per-message markers (Anthropic's ``cache_control``) to the newest messages.
 
 Items whose conversion depends on more than themselves and the items before them are never
-kept: content parts that may hold images (resolved per request). Conversations are told apart
+kept: content parts that may hold images (resolved per request). Responses API items merge
+(a reasoning item, an assistant message and the function calls after them are one assistant
+message): their converter says where a conversion may restart (no message half built), and a
+reuse stops at the last such item. Conversations are told apart
 by the session header when there is one, else by the start of their first three items (a
 group's sessions share a system prompt and task, and part at the first answer); two that look
 alike only take turns missing. Memory is bounded by the request bytes kept, least recently
@@ -25,7 +28,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import orjson
 
@@ -36,6 +39,19 @@ from .content import name_tool_messages
 from .jsonio import check_body_depth, parse_json_object
 
 ConvertItem = Callable[[int, Any], tuple[Sequence[Message], Sequence[str]]]
+
+
+class MergingConverter(Protocol):
+    """A converter whose items merge into messages (the Responses API): each call returns the
+    messages the item completed; ``finish`` the one still being built after the last item."""
+
+    def __call__(self, i: int, item: Any) -> tuple[Sequence[Message], Sequence[str]]: ...
+
+    def at_start(self) -> bool:
+        """No message half built: a conversion may restart at the next item."""
+        ...
+
+    def finish(self) -> Sequence[Message]: ...
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,7 @@ class Converted:
     names: dict[str, str]  # tool-call id -> function name, after all items
     chars: tuple[int, int]  # ``message_chars`` of all items' messages
     cost: int
+    starts: frozenset[int] | None = None  # items a conversion may restart at (None: every one)
 
 
 class Reuse(NamedTuple):
@@ -74,6 +91,7 @@ class Conversion(NamedTuple):
     item_ids: list[tuple[str, ...]]
     names: dict[str, str]
     chars: tuple[int, int]  # (all, kept) characters of ``messages`` (``proxy.session.runner.message_chars``)
+    starts: set[int] | None = None  # a merging converter's restart points (``MergingConverter.at_start``)
 
 
 def has_numbers(value: Any) -> bool:
@@ -107,30 +125,52 @@ def _text_sig(content: Any) -> tuple:
     return tuple(out)
 
 
+def _short(v: Any) -> Any:
+    return (len(v), v[:64]) if type(v) is str else None
+
+
 def _sig(m: Any) -> tuple:
-    """Where conversations part: role, the start of the text, the first call's id (bounded work)."""
+    """Where conversations part: role, the start of the text, the first call's id, a Responses
+    item's type, call id, arguments and output (bounded work)."""
     if type(m) is not dict:
         return (type(m).__name__,)
     calls = m.get("tool_calls")
     first = calls[0].get("id") if type(calls) is list and calls and type(calls[0]) is dict else None
-    return (m.get("role"), _text_sig(m.get("content")), first)
+    return (m.get("role"), _text_sig(m.get("content")), first, m.get("type"), _short(m.get("call_id")),
+            _short(m.get("arguments")), _short(m.get("output")))  # fmt: skip
 
 
-def convert(raw: list[Any], convert_item: ConvertItem, reuse: Reuse | None) -> Conversion:
+def convert(raw: list[Any], convert_item: ConvertItem | MergingConverter, reuse: Reuse | None) -> Conversion:
     """Convert ``raw`` item by item, starting after the reused ones; tool messages are named
-    after the calls before them."""
+    after the calls before them. A ``MergingConverter``'s items are given the messages they
+    complete (the last item also the one it leaves unfinished)."""
     k = reuse.n if reuse is not None else 0
     whole = k > 0 and k == len(reuse.entry.raw)
+    merging = hasattr(convert_item, "finish")
+    starts: set[int] | None = None
     if k:
         e = reuse.entry
         items, item_ids = list(e.items[:k]), list(e.ids[:k])
         names = dict(e.names) if whole else {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
+        if merging:
+            if e.starts is None:
+                starts = set(range(k + 1))
+            else:  # ``k`` is one of them (``match``)
+                starts = set(e.starts) if whole else {s for s in e.starts if s <= k}
     else:
         items, item_ids, names = [], [], {}
+        starts = set() if merging else None
     for i in range(k, len(raw)):
+        if merging and convert_item.at_start():
+            starts.add(i)
         msgs, ids = convert_item(i, raw[i])
         items.append(tuple(name_tool_messages(list(msgs), names)))
         item_ids.append(tuple(ids))
+    if merging:
+        if convert_item.at_start():
+            starts.add(len(raw))
+        elif tail := convert_item.finish():
+            items[-1] = (*items[-1], *name_tool_messages(list(tail), names))
     if whole:  # the kept flat lists, extended; only the added messages' characters are counted
         e = reuse.entry
         added = list(chain.from_iterable(items[k:]))
@@ -141,7 +181,7 @@ def convert(raw: list[Any], convert_item: ConvertItem, reuse: Reuse | None) -> C
         messages = list(chain.from_iterable(items))
         flat_ids = list(chain.from_iterable(item_ids))
         chars = message_chars(messages)
-    return Conversion(messages, flat_ids, items, item_ids, names, chars)
+    return Conversion(messages, flat_ids, items, item_ids, names, chars, starts)
 
 
 class HistoryMemo:
@@ -176,6 +216,9 @@ class HistoryMemo:
         for i, exact in hit.exact.items():
             if i < n and orjson.dumps(raw[i]) != exact:
                 n = i
+        if hit.starts is not None:  # back to where no message is half built
+            while n and n not in hit.starts:
+                n -= 1
         if not n:
             return None
         self.reused += 1
@@ -199,15 +242,16 @@ class HistoryMemo:
                 exact[i] = orjson.dumps(item)
         if end == 0:
             return
+        starts = frozenset(s for s in conv.starts if s <= end) if conv.starts is not None else None
         if end == len(raw):  # copies of references (the request goes on to use its lists)
             entry = Converted(raw, tuple(conv.items), tuple(conv.item_ids), tuple(conv.messages), tuple(conv.ids), exact, head,
-                              conv.names, conv.chars, cost)  # fmt: skip
+                              conv.names, conv.chars, cost, starts)  # fmt: skip
         else:
             items = conv.items[:end]
             messages = list(chain.from_iterable(items))
             names = {tc.id: tc.name for m in messages for tc in m.tool_calls}
             entry = Converted(raw[:end], items, conv.item_ids[:end], messages, list(chain.from_iterable(conv.item_ids[:end])),
-                              exact, head, names, message_chars(messages), cost)  # fmt: skip
+                              exact, head, names, message_chars(messages), cost, starts)  # fmt: skip
         with self._lock:
             old = self._kept.pop(key, None)
             if old is not None:
@@ -219,13 +263,17 @@ class HistoryMemo:
 
 
 def read_body(raw: bytes, memo: HistoryMemo, dialect: str, session_id: str | None,
-              head: Callable[[dict], Any] = lambda body: None) -> tuple[dict[str, Any], Found]:  # fmt: skip
-    """A turn request's JSON object, its nesting checked except in the messages ``memo``
-    already holds, and what of its conversation ``memo`` holds. ``head(body)``: what precedes
-    the messages and must match too."""
+              head: Callable[[dict], Any] = lambda body: None, field: str = "messages") -> tuple[dict[str, Any], Found]:  # fmt: skip
+    """A turn request's JSON object, its nesting checked except in the items (``body[field]``)
+    ``memo`` already holds, and what of its conversation ``memo`` holds. ``head(body)``: what
+    precedes the items and must match too (None: the conversation is not kept)."""
     body = parse_json_object(raw)
-    msgs = body.get("messages")
-    key = memo.key(dialect, msgs, session_id)
-    reuse = memo.match(key, msgs, head(body)) if key is not None else None
-    check_body_depth(raw, body, items="messages", checked=reuse.n if reuse is not None else 0)
+    msgs = body.get(field)
+    h = head(body)
+    key = memo.key(dialect, msgs, session_id) if h is not NOT_KEPT else None
+    reuse = memo.match(key, msgs, h) if key is not None else None
+    check_body_depth(raw, body, items=field, checked=reuse.n if reuse is not None else 0)
     return body, Found(key, reuse, len(raw))
+
+
+NOT_KEPT = object()  # what ``read_body``'s ``head`` returns for a request whose conversation is not kept

@@ -33,7 +33,7 @@ class ResponsesRequest(_OpenAIModel):
     """``POST /v1/responses``."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]] | None = None
+    input: str | Messages | None = None  # items kept as parsed (converting them checks each one)
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

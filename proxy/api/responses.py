@@ -30,7 +30,8 @@ from .content import (
 )  # fmt: skip
 from .context import check_id, turn_request
 from .images import ImageInput, ImageRequest
-from .jsonio import JSONResponse, body_schema, build, parse_json_body, validate
+from .history_memo import NOT_KEPT, Found, HistoryMemo, convert, read_body
+from .jsonio import JSONResponse, body_schema, build, validate
 from .models import ResponsesRequest
 from .output import splice_headers
 from .responses_conversation import message_from_dict, message_to_dict, messages_from_json, messages_to_json
@@ -84,42 +85,30 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str | None:
     return None  # encrypted_content only: nothing Splice can render
 
 
-def input_to_messages(
-    items: str | list[dict[str, Any]] | None, tools: ToolSet | None = None, images: ImageRequest | None = None
-) -> tuple[list[Message], list[str]]:
-    """Convert Responses input to messages; also return the ids the input carries, in order.
+class _InputConverter:
+    """Responses input items -> ``Message``s, one item at a time (``history_memo.MergingConverter``):
+    each call returns the messages the item completed and the ids it carries."""
 
-    Consecutive reasoning / assistant message / function_call items merge into one assistant
-    message (the template renders them as one turn). ``input_image`` parts of user messages and
-    of ``function_call_output`` / ``computer_call_output`` outputs become image parts through
-    ``images`` (a text-only model's requests get a 400).
-    """
-    images = images if images is not None else ImageRequest(None)
-    if items is None:
-        return [], []
-    if isinstance(items, str):
-        return [Message(role="user", content=items)], []
-    out: list[Message] = []
-    ids: list[str] = []
-    pending: _PendingAssistant | None = None
+    def __init__(self, tools: ToolSet | None, images: ImageRequest):
+        self.tools, self.images = tools, images
+        self.pending: _PendingAssistant | None = None
 
-    def flush() -> None:
-        nonlocal pending
-        if pending is not None:
-            out.append(pending.message())
-            pending = None
+    def at_start(self) -> bool:
+        return self.pending is None
 
-    for i, item in enumerate(items):
+    def finish(self) -> tuple[Message, ...]:
+        done, self.pending = self.pending, None
+        return (done.message(),) if done is not None else ()
+
+    def __call__(self, i: int, item: Any) -> tuple[tuple[Message, ...], tuple[str, ...]]:
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object", code="invalid_value", param=where)
         typ = item.get("type")
         if typ is None and "role" in item:
             typ = "message"
-        for key in ("id", "call_id"):
-            v = item.get(key)
-            if isinstance(v, str) and v:
-                ids.append(v)
+        ids = tuple(v for v in (item.get("id"), item.get("call_id")) if isinstance(v, str) and v)
+        pending = self.pending
         if typ == "message":
             role = item.get("role")
             if role not in _ROLES:
@@ -128,24 +117,22 @@ def input_to_messages(
                 raise bad_request(f"{where} is a message without 'content'", code="missing_required_parameter", param=f"{where}.content")
             if role == "assistant":
                 text = text_of(item.get("content"), f"{where}.content")
-                if pending is not None and (pending.content is not None or pending.tool_calls):
-                    flush()
-                if pending is None:
-                    pending = _PendingAssistant()
-                pending.content = text
-            else:
-                flush()
-                imgs = images if role == "user" else None
-                out.append(message_of(role, item.get("content"), f"{where}.content", images=imgs))
-        elif typ == "reasoning":
+                done = self.finish() if pending is not None and (pending.content is not None or pending.tool_calls) else ()
+                if self.pending is None:
+                    self.pending = _PendingAssistant()
+                self.pending.content = text
+                return done, ids
+            imgs = self.images if role == "user" else None
+            return (*self.finish(), message_of(role, item.get("content"), f"{where}.content", images=imgs)), ids
+        if typ == "reasoning":
             text = _reasoning_text(item, where)
-            if pending is not None and (pending.has_reasoning_item or pending.content is not None or pending.tool_calls):
-                flush()
-            if pending is None:
-                pending = _PendingAssistant()
-            pending.has_reasoning_item = True
-            pending.reasoning = text
-        elif typ in ("function_call", "custom_tool_call"):
+            done = self.finish() if pending is not None and (pending.has_reasoning_item or pending.content is not None or pending.tool_calls) else ()
+            if self.pending is None:
+                self.pending = _PendingAssistant()
+            self.pending.has_reasoning_item = True
+            self.pending.reasoning = text
+            return done, ids
+        if typ in ("function_call", "custom_tool_call"):
             name = item.get("name")
             cid = item.get("call_id") or item.get("id")
             args = item.get("arguments", "")
@@ -157,13 +144,14 @@ def input_to_messages(
                 args = custom_arguments(str(item.get("input", "")))
             elif not isinstance(args, str):
                 args = orjson.dumps(args).decode()
-            if tools is not None:
-                name = tools.visible_name(item.get("namespace"), name)
-            if pending is None:
-                pending = _PendingAssistant()
-            pending.tool_calls.append(ToolCall(id=cid, name=name, arguments=args))
-        elif typ in ("function_call_output", "custom_tool_call_output"):
-            flush()
+            if self.tools is not None:
+                name = self.tools.visible_name(item.get("namespace"), name)
+            if self.pending is None:
+                self.pending = _PendingAssistant()
+            self.pending.tool_calls.append(ToolCall(id=cid, name=name, arguments=args))
+            return (), ids
+        if typ in ("function_call_output", "custom_tool_call_output"):
+            done = self.finish()
             cid = item.get("call_id")
             if not isinstance(cid, str) or not cid:
                 raise bad_request(f"{where} (function_call_output) needs a 'call_id'", code="missing_required_parameter", param=f"{where}.call_id")
@@ -174,30 +162,74 @@ def input_to_messages(
                 output = [output]  # one content part
             elif isinstance(output, (dict, int, float, bool)) and not isinstance(output, list):
                 output = orjson.dumps(output).decode()
-            out.append(message_of("tool", output, f"{where}.output", images=images, tool_call_id=cid))
-        elif typ == "computer_call_output":
-            flush()
+            return (*done, message_of("tool", output, f"{where}.output", images=self.images, tool_call_id=cid)), ids
+        if typ == "computer_call_output":
+            done = self.finish()
             cid = item.get("call_id")
             if not isinstance(cid, str) or not cid:
                 raise bad_request(f"{where} (computer_call_output) needs a 'call_id'", code="missing_required_parameter", param=f"{where}.call_id")
             output = item.get("output")
             if not isinstance(output, (dict, list)):
                 raise bad_request(f"{where} (computer_call_output) needs an 'output' screenshot", code="missing_required_parameter", param=f"{where}.output")
-            out.append(message_of("tool", output if isinstance(output, list) else [output], f"{where}.output", images=images, tool_call_id=cid))
-        elif typ in compact.ITEM_TYPES:  # a compaction Splice answered earlier: its summary (responses_compact)
-            flush()
-            out.append(compact.expand(item, where)[0])
-        elif typ == "item_reference":
+            return (*done, message_of("tool", output if isinstance(output, list) else [output], f"{where}.output", images=self.images, tool_call_id=cid)), ids
+        if typ in compact.ITEM_TYPES:  # a compaction Splice answered earlier: its summary (responses_compact)
+            return (*self.finish(), compact.expand(item, where)[0]), ids
+        if typ == "item_reference":
             raise bad_request(f"{where}: unresolved item_reference", code="invalid_value", param=where)
-        else:
-            raise bad_request(
-                f"{where} has type {typ!r}, which Splice does not support (supported: message, reasoning, "
-                "function_call, function_call_output, computer_call_output, item_reference, compaction, compaction_trigger)",
-                code="unsupported_input_item",
-                param=where,
-            )
-    flush()
+        raise bad_request(
+            f"{where} has type {typ!r}, which Splice does not support (supported: message, reasoning, "
+            "function_call, function_call_output, computer_call_output, item_reference, compaction, compaction_trigger)",
+            code="unsupported_input_item",
+            param=where,
+        )
+
+
+_TEXT_PARTS = frozenset(("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"))
+
+
+def _text_only(content: Any) -> bool:
+    return type(content) is str or (type(content) is list and all(type(p) is dict and p.get("type") in _TEXT_PARTS for p in content))
+
+
+def keepable(item: Any) -> bool:
+    """An input item ``history_memo`` may keep: its conversion depends on nothing but itself
+    and the items before it (no image parts, no namespaced tool, nothing resolved from the store)."""
+    if type(item) is not dict or item.get("namespace"):
+        return False
+    typ = item.get("type", "message" if "role" in item else None)
+    if typ == "message":
+        return _text_only(item.get("content"))
+    if typ in ("function_call_output", "custom_tool_call_output"):
+        return _text_only(item.get("output"))
+    return typ in ("reasoning", "function_call", "custom_tool_call") or typ in compact.ITEM_TYPES
+
+
+def input_to_messages(
+    items: str | list[dict[str, Any]] | None, tools: ToolSet | None = None, images: ImageRequest | None = None
+) -> tuple[list[Message], list[str]]:
+    """Convert Responses input to messages; also return the ids the input carries, in order.
+
+    Consecutive reasoning / assistant message / function_call items merge into one assistant
+    message (the template renders them as one turn). ``input_image`` parts of user messages and
+    of ``function_call_output`` / ``computer_call_output`` outputs become image parts through
+    ``images`` (a text-only model's requests get a 400).
+    """
+    if items is None:
+        return [], []
+    if isinstance(items, str):
+        return [Message(role="user", content=items)], []
+    one = _InputConverter(tools, images if images is not None else ImageRequest(None))
+    out: list[Message] = []
+    ids: list[str] = []
+    for i, item in enumerate(items):
+        msgs, item_ids = one(i, item)
+        out.extend(msgs)
+        ids.extend(item_ids)
+    out.extend(one.finish())
     return out, ids
+
+
+_REFERENCE = frozenset(("item_reference",))
 
 
 class ResponseReader:
@@ -217,7 +249,7 @@ def load_previous(store: ResponseReader, previous: str) -> list[Message]:
 
 def resolve_item_references(store: ResponseReader, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Replace ``item_reference`` items by the output items of stored responses they name."""
-    if not any(isinstance(it, dict) and it.get("type") == "item_reference" for it in items):
+    if not compact.any_of_type(items, _REFERENCE) or not any(isinstance(it, dict) and it.get("type") == "item_reference" for it in items):
         return items
     cache: dict[str, dict[str, Any] | None] = {}
     out: list[dict[str, Any]] = []
@@ -245,7 +277,16 @@ def resolve_item_references(store: ResponseReader, items: list[dict[str, Any]]) 
 # ============================================================================ request -> turn
 
 
-def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: ResponseReader, images: ImageRequest | None = None) -> ResponsesContext:
+def memo_head(body: dict[str, Any]) -> Any:
+    """``history_memo.read_body``'s ``head``: a conversation continued by ``previous_response_id``
+    is not kept (its input is the few items it adds)."""
+    return NOT_KEPT if body.get("previous_response_id") or type(body.get("input")) is not list else None
+
+
+def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: ResponseReader, images: ImageRequest | None = None,
+                  memo: HistoryMemo | None = None, found: Found | None = None) -> ResponsesContext:  # fmt: skip
+    """The turn a Responses request asks for. ``memo`` / ``found``: the conversation's last
+    request's conversion, matched against ``body["input"]`` (``history_memo.read_body``)."""
     req: ResponsesRequest = validate(ResponsesRequest, body)
     req.check_supported()
     ts = offer_tools(req.tools)
@@ -255,15 +296,24 @@ def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: Resp
     if isinstance(items, list):
         items = resolve_item_references(store, items)
     items, trigger = compact.split_trigger(items)
-    msgs, ids = input_to_messages(items, ts, images)
     prev: list[Message] = []
     hints: list[str] = []
     if req.previous_response_id:
         check_id("previous_response_id", req.previous_response_id)
         prev = load_previous(store, req.previous_response_id)
         hints.append(req.previous_response_id)
+    chars = None
+    if found is not None and found.key is not None and isinstance(items, list):
+        conv = convert(items, _InputConverter(ts, images if images is not None else ImageRequest(None)), found.reuse)
+        if memo is not None:
+            memo.keep(found.key, body["input"], None, conv, found.reuse, found.cost, keepable)
+        history, ids = conv.messages, conv.ids  # tool messages named as they were converted
+        n = len(req.instructions or "")
+        chars = (conv.chars[0] + n, conv.chars[1] + n)  # the instructions are a system message
+    else:
+        msgs, ids = input_to_messages(items, ts, images)
+        history = name_tool_messages(prev + msgs)
     hints.extend(ids)
-    history = name_tool_messages(prev + msgs)
     messages = ([Message(role="system", content=req.instructions)] if req.instructions else []) + history
     if not messages:
         raise bad_request("'input' is empty: nothing to respond to", code="invalid_value", param="input")
@@ -274,6 +324,8 @@ def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: Resp
         max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=responses_controls(req),
     )
     treq.compacted_from = compact.compacted_from(items)
+    if chars is not None and not trigger:
+        treq.message_chars = chars
     ctx = ResponsesContext(req=req, turn=treq, history=history, tools_echo=echo, fmt=runner.fmt, toolset=ts,
                            compaction_trigger=trigger)  # fmt: skip
     treq.present = ctx.present
@@ -301,16 +353,19 @@ async def _iterate(frames: list[bytes]):
         yield f
 
 
-def responses_router(runner: TurnRunner, store: ResponseReader, images: ImageInput | None = None) -> APIRouter:
+def responses_router(runner: TurnRunner, store: ResponseReader, images: ImageInput | None = None,
+                     memo: HistoryMemo | None = None) -> APIRouter:  # fmt: skip
     """``POST /v1/responses`` and ``GET /v1/responses/{response_id}``. ``images``: the app's
-    image input (None: text only)."""
+    image input (None: text only). ``memo``: each conversation's last input, converted
+    (proxy/api/history_memo.py)."""
     router = APIRouter()
+    memo = memo if memo is not None else HistoryMemo()
 
     @router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def post_response(request: Request):
-        body = parse_json_body(await request.body())
+        body, found = read_body(await request.body(), memo, "responses", request.headers.get("x-session-id"), memo_head, "input")
         req_images = await images.prepare(body) if images is not None else None
-        ctx = build(build_context, body, request.headers, runner, store, req_images)
+        ctx = build(build_context, body, request.headers, runner, store, req_images, memo, found)
         if ctx.compaction_trigger and ctx.req.stream:  # one item, known once the summary is done
             result = await run_turn(runner, ctx.turn, request)
             frames = compact.trigger_events(response_skeleton(ctx, result.turn_id), result.body)

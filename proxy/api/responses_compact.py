@@ -22,6 +22,7 @@ import base64
 import time
 import zlib
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -77,6 +78,20 @@ def expand(item: dict[str, Any], where: str) -> tuple[Message, str]:
     return Message(role="user", content=f"{SUMMARY_PREFIX}\n{text}"), turn
 
 
+def any_of_type(items: list[Any], types: frozenset[str]) -> bool:
+    """Whether an input item may have one of ``types`` (True also when an item is not an
+    object: the caller's own walk then reports it). A walk at C speed: a long input is
+    scanned every turn."""
+    try:
+        return not types.isdisjoint(map(dict.get, items, repeat("type")))
+    except TypeError:
+        return True
+
+
+_TRIGGER = frozenset(("compaction_trigger",))
+_COMPACTIONS = frozenset(ITEM_TYPES)
+
+
 def is_trigger(item: Any) -> bool:
     return isinstance(item, dict) and item.get("type") == "compaction_trigger"
 
@@ -84,7 +99,7 @@ def is_trigger(item: Any) -> bool:
 def split_trigger(items: Any) -> tuple[Any, bool]:
     """``(input without a final compaction_trigger, whether there was one)``; 400 for a trigger
     anywhere but last."""
-    if not isinstance(items, list) or not any(is_trigger(it) for it in items):
+    if not isinstance(items, list) or not any_of_type(items, _TRIGGER) or not any(is_trigger(it) for it in items):
         return items, False
     if not is_trigger(items[-1]) or sum(map(is_trigger, items)) > 1:
         raise bad_request("a compaction_trigger item must be the last input item, and only one", code="invalid_value", param="input")
@@ -103,7 +118,7 @@ def compaction_item(result: TurnResult) -> dict[str, Any]:
 def compacted_from(items: Any) -> str | None:
     """The summary turn of the last ``compaction`` item of a Responses input (None: none)."""
     found = None
-    if isinstance(items, list):
+    if isinstance(items, list) and any_of_type(items, _COMPACTIONS):
         for i, it in enumerate(items):
             if isinstance(it, dict) and it.get("type") in ITEM_TYPES:
                 found = read_handle(it.get("encrypted_content"), f"input[{i}]")[0]

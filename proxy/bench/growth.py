@@ -1,7 +1,8 @@
 """``splice bench overhead --growth TURNS``: does a turn cost more as its session gets longer?
 
 Agents run tool loops of hundreds of turns with short messages, resending the whole history
-every turn. Some header-less chat sessions are first grown, untimed, to TURNS turns (a system
+every turn. Some header-less sessions (chat, or Responses API input lists as Codex and the
+Agents SDK send them) are first grown, untimed, to TURNS turns (a system
 prompt, a task, and per turn one tool call and a short tool result: ``2 * TURNS + 2``
 messages); then blocks of turns on those long sessions alternate with blocks on fresh short
 sessions (their third to sixth turns), against a Splice with ``--drift-check off``. Alternating
@@ -19,20 +20,41 @@ from .tables import format_table
 from .workload import SYSTEM, TOOL, USER
 
 TOOLS = [{"type": "function", "function": TOOL}]
+RESPONSES_TOOLS = [{"type": "function", **TOOL}]
+APIS = ("chat", "responses")
+
+
+def _result(step: int) -> str:
+    return f'{{"step": {step}, "ok": true, "lines": ["built", "tested"]}}'
 
 
 class _Chat:
     """One keep-alive connection to Splice's chat endpoint."""
 
+    path = b"/v1/chat/completions"
+
     def __init__(self, port: int):
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.f = self.sock.makefile("rb")
 
+    def session(self, name: str) -> list[dict]:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{USER} ({name})"}]
+
+    def body(self, msgs: list[dict]) -> bytes:
+        return orjson.dumps({"model": "m", "messages": msgs, "tools": TOOLS, "max_tokens": 512})
+
+    def extend(self, msgs: list[dict], answer: dict, t: int) -> None:
+        """Append the answer and a tool result."""
+        m = answer["choices"][0]["message"]
+        call = m["tool_calls"][0]
+        msgs.append({"role": "assistant", "content": m.get("content"), "tool_calls": m["tool_calls"]})
+        msgs.append({"role": "tool", "tool_call_id": call["id"], "content": _result(t)})
+
     def turn(self, msgs: list[dict], t: int) -> None:
         """One turn of a session: send its history, append the answer and a tool result."""
-        body = orjson.dumps({"model": "m", "messages": msgs, "tools": TOOLS, "max_tokens": 512})
-        self.sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-                          b"content-length: %d\r\n\r\n%b" % (len(body), body))  # fmt: skip
+        body = self.body(msgs)
+        self.sock.sendall(b"POST %b HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%b" % (self.path, len(body), body))  # fmt: skip
         status = self.f.readline()
         n = 0
         while (line := self.f.readline()) not in (b"\r\n", b""):
@@ -41,32 +63,46 @@ class _Chat:
         data = self.f.read(n)
         if not status.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(f"growth phase: {status!r} {data[:200]!r}")
-        m = orjson.loads(data)["choices"][0]["message"]
-        call = m["tool_calls"][0]
-        msgs.append({"role": "assistant", "content": m.get("content"), "tool_calls": m["tool_calls"]})
-        msgs.append({"role": "tool", "tool_call_id": call["id"], "content": f'{{"step": {t}, "ok": true, "lines": ["built", "tested"]}}'})
+        self.extend(msgs, orjson.loads(data), t)
 
     def close(self) -> None:
         self.f.close()
         self.sock.close()
 
 
-def _session(name: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{USER} ({name})"}]
+class _Responses(_Chat):
+    """The Responses API the way Codex and the Agents SDK use it without
+    ``previous_response_id``: the whole input list every turn, output items appended to it."""
+
+    path = b"/v1/responses"
+
+    def session(self, name: str) -> list[dict]:
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"{USER} ({name})"}]}]
+
+    def body(self, items: list[dict]) -> bytes:
+        return orjson.dumps({"model": "m", "instructions": SYSTEM, "input": items, "tools": RESPONSES_TOOLS,
+                             "max_output_tokens": 512})  # fmt: skip
+
+    def extend(self, items: list[dict], answer: dict, t: int) -> None:
+        out = answer["output"]
+        items.extend(out)
+        call = next(o for o in out if o["type"] == "function_call")
+        items.append({"type": "function_call_output", "call_id": call["call_id"], "output": _result(t)})
 
 
-def run_growth(port: int, pid: int, turns: int, sessions: int, rounds: int, cpu_seconds) -> dict:
+def run_growth(port: int, pid: int, turns: int, sessions: int, rounds: int, cpu_seconds, api: str = "chat") -> dict:
     """CPU per turn on sessions of ``turns`` turns against fresh ones, in alternating blocks."""
-    chat = _Chat(port)
+    chat = (_Chat if api == "chat" else _Responses)(port)
     try:
-        long = [_session(f"long {s}") for s in range(sessions)]
+        long = [chat.session(f"long {api} {s}") for s in range(sessions)]
         for t in range(turns):  # grown untimed
             for msgs in long:
                 chat.turn(msgs, t)
+        grown = len(long[0])
         cpu = {"short": 0.0, "long": 0.0}
         n = {"short": 0, "long": 0}
         for r in range(rounds):
-            short = [_session(f"short {r}.{s}") for s in range(sessions)]
+            short = [chat.session(f"short {api} {r}.{s}") for s in range(sessions)]
             for t in range(2):  # a full render and the first splice, untimed
                 for msgs in short:
                     chat.turn(msgs, t)
@@ -79,16 +115,18 @@ def run_growth(port: int, pid: int, turns: int, sessions: int, rounds: int, cpu_
                 n[kind] += 4 * len(group)
     finally:
         chat.close()
-    return {"turns": turns, "sessions": sessions, "rounds": rounds, "long_messages": [2 * turns + 2, len(long[0])],
+    return {"api": api, "turns": turns, "sessions": sessions, "rounds": rounds, "long_items": [grown, len(long[0])],
             "short_ms": cpu["short"] / n["short"] * 1e3, "long_ms": cpu["long"] / n["long"] * 1e3,
             "turns_timed": n}  # fmt: skip
 
 
 def print_growth(g: dict) -> None:
-    print(f"\nSession growth, C=1, header-less chat sessions, short messages, one tool call per turn, --drift-check off: "
+    unit = "messages" if g.get("api", "chat") == "chat" else "input items"
+    print(f"\nSession growth, C=1, header-less {g.get('api', 'chat')} sessions, short messages, one tool call per turn, "
+          "--drift-check off: "
           f"{g['sessions']} sessions grown to {g['turns']} turns, then {g['rounds']} rounds of alternating blocks "
           "(4 turns of each long session, 4 of each fresh short one); proxy CPU per timed turn.")  # fmt: skip
-    rows = [["short (6-12 messages)", g["turns_timed"]["short"], f"{g['short_ms']:.2f}", "1.00"],
-            [f"long ({g['long_messages'][0]}-{g['long_messages'][1]} messages)", g["turns_timed"]["long"], f"{g['long_ms']:.2f}",
+    rows = [["short (turns 3-6)", g["turns_timed"]["short"], f"{g['short_ms']:.2f}", "1.00"],
+            [f"long ({g['long_items'][0]}-{g['long_items'][1]} {unit})", g["turns_timed"]["long"], f"{g['long_ms']:.2f}",
              f"{g['long_ms'] / g['short_ms']:.2f}"]]  # fmt: skip
     print(format_table(["sessions", "turns timed", "proxy CPU ms/turn", "x short"], rows))

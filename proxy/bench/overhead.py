@@ -57,6 +57,8 @@ def add_parser(sub) -> None:
                         "against fresh ones, in alternating blocks")
     p.add_argument("--growth-sessions", type=int, default=5, help="sessions of each kind in the growth phase")
     p.add_argument("--growth-rounds", type=int, default=10, help="rounds of alternating blocks in the growth phase")
+    p.add_argument("--growth-api", nargs="+", choices=("chat", "responses"), default=["chat"],
+                   help="the API(s) the growth phase's sessions use (responses: the whole input list every turn)")
     p.add_argument("--profile", metavar="PREFIX",
                    help="sample Splice with py-spy during its phases: PREFIX-cC.txt (collapsed stacks) and the top frames printed")
     p.add_argument("--profile-gil", action="store_true",
@@ -335,7 +337,7 @@ def run(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="splice_bench_overhead_")
     runs: list[dict] = []
     history: list[dict] = []
-    growth: dict = {}
+    growth: list[dict] = []
     litellm_note = "skipped (--no-litellm)"
     try:
         surl = start_standin(tmp, tok, out_ids, procs)
@@ -388,9 +390,11 @@ def run(args) -> dict:
         if args.growth:
             from .growth import run_growth
 
-            print(f"growth: {args.growth_sessions} session(s) grown to {args.growth} turns, {args.growth_rounds} rounds ...", flush=True)
-            growth = run_growth(second["spec"]["port"], second["pid"], args.growth, args.growth_sessions, args.growth_rounds,
-                                _cpu_seconds)  # fmt: skip
+            for api in args.growth_api:
+                print(f"growth ({api}): {args.growth_sessions} session(s) grown to {args.growth} turns, {args.growth_rounds} "
+                      "rounds ...", flush=True)  # fmt: skip
+                growth.append(run_growth(second["spec"]["port"], second["pid"], args.growth, args.growth_sessions,
+                                         args.growth_rounds, _cpu_seconds, api))  # fmt: skip
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -406,7 +410,8 @@ def run(args) -> dict:
     if growth:
         from .growth import print_growth
 
-        print_growth(growth)
+        for g in growth:
+            print_growth(g)
     return {"bench": "overhead", "output_tokens_per_turn": len(out_ids), "cpu_count": os.cpu_count(), "history": history,
             "growth": growth,
             "litellm": litellm_note, "targets": {t["key"]: t["label"] for t in targets}, "runs": runs,
