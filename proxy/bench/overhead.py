@@ -393,8 +393,13 @@ def run(args) -> dict:
             for api in args.growth_api:
                 print(f"growth ({api}): {args.growth_sessions} session(s) grown to {args.growth} turns, {args.growth_rounds} "
                       "rounds ...", flush=True)  # fmt: skip
-                growth.append(run_growth(second["spec"]["port"], second["pid"], args.growth, args.growth_sessions,
-                                         args.growth_rounds, _cpu_seconds, api))  # fmt: skip
+                spy = start_profile(second["pid"], f"{args.profile}-growth-{api}.txt", gil=args.profile_gil) if args.profile else None
+                try:
+                    growth.append(run_growth(second["spec"]["port"], second["pid"], args.growth, args.growth_sessions,
+                                             args.growth_rounds, _cpu_seconds, api))  # fmt: skip
+                finally:
+                    if spy is not None:
+                        stop_profile(spy)
     finally:
         for p in reversed(procs):
             p.terminate()
