@@ -69,6 +69,7 @@ class Converted:
     chars: tuple[int, int]  # ``message_chars`` of all items' messages
     cost: int
     starts: frozenset[int] | None = None  # items a conversion may restart at (None: every one)
+    calls: int = 0  # tool calls in ``messages`` (``names`` has fewer keys when an id is used twice)
 
 
 class Reuse(NamedTuple):
@@ -92,6 +93,7 @@ class Conversion(NamedTuple):
     names: dict[str, str]
     chars: tuple[int, int]  # (all, kept) characters of ``messages`` (``proxy.session.runner.message_chars``)
     starts: set[int] | None = None  # a merging converter's restart points (``MergingConverter.at_start``)
+    calls: int = 0  # tool calls in ``messages``
 
 
 def has_numbers(value: Any) -> bool:
@@ -143,22 +145,35 @@ def _sig(m: Any) -> tuple:
 def convert(raw: list[Any], convert_item: ConvertItem | MergingConverter, reuse: Reuse | None) -> Conversion:
     """Convert ``raw`` item by item, starting after the reused ones; tool messages are named
     after the calls before them. A ``MergingConverter``'s items are given the messages they
-    complete (the last item also the one it leaves unfinished)."""
+    complete (the last item also the one it leaves unfinished).
+
+    A reuse costs what the kept conversion had beyond it (a client that moves a marker to its
+    newest message drops one item) plus what is added, never a walk of the whole history."""
     k = reuse.n if reuse is not None else 0
-    whole = k > 0 and k == len(reuse.entry.raw)
     merging = hasattr(convert_item, "finish")
     starts: set[int] | None = None
     if k:
         e = reuse.entry
         items, item_ids = list(e.items[:k]), list(e.ids[:k])
-        names = dict(e.names) if whole else {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
-        if merging:
-            if e.starts is None:
-                starts = set(range(k + 1))
-            else:  # ``k`` is one of them (``match``)
-                starts = set(e.starts) if whole else {s for s in e.starts if s <= k}
+        dropped = list(chain.from_iterable(e.items[k:]))
+        names, calls = dict(e.names), e.calls
+        for m in dropped:
+            for tc in m.tool_calls:
+                names.pop(tc.id, None)
+                calls -= 1
+        if len(names) != calls:  # a call id used twice: the names as of item ``k``, from scratch
+            names = {tc.id: tc.name for m in chain.from_iterable(items) for tc in m.tool_calls}
+        base = e.messages[: len(e.messages) - len(dropped)] if dropped else e.messages
+        n_ids = sum(map(len, e.ids[k:]))
+        base_ids = e.flat_ids[: len(e.flat_ids) - n_ids] if n_ids else e.flat_ids
+        d = message_chars(dropped)
+        chars = (e.chars[0] - d[0], e.chars[1] - d[1])
+        if merging:  # ``k`` is one of them (``match``)
+            starts = set(e.starts) if e.starts is not None else set(range(k + 1))
+            for s in range(k + 1, len(e.raw) + 1):
+                starts.discard(s)
     else:
-        items, item_ids, names = [], [], {}
+        items, item_ids, names, calls, base, base_ids, chars = [], [], {}, 0, (), (), (0, 0)
         starts = set() if merging else None
     for i in range(k, len(raw)):
         if merging and convert_item.at_start():
@@ -171,17 +186,10 @@ def convert(raw: list[Any], convert_item: ConvertItem | MergingConverter, reuse:
             starts.add(len(raw))
         elif tail := convert_item.finish():
             items[-1] = (*items[-1], *name_tool_messages(list(tail), names))
-    if whole:  # the kept flat lists, extended; only the added messages' characters are counted
-        e = reuse.entry
-        added = list(chain.from_iterable(items[k:]))
-        messages = [*e.messages, *added]
-        flat_ids = [*e.flat_ids, *chain.from_iterable(item_ids[k:])]
-        chars = (e.chars[0] + (a := message_chars(added))[0], e.chars[1] + a[1])
-    else:
-        messages = list(chain.from_iterable(items))
-        flat_ids = list(chain.from_iterable(item_ids))
-        chars = message_chars(messages)
-    return Conversion(messages, flat_ids, items, item_ids, names, chars, starts)
+    added = list(chain.from_iterable(items[k:]))
+    a = message_chars(added)
+    return Conversion([*base, *added], [*base_ids, *chain.from_iterable(item_ids[k:])], items, item_ids, names,
+                      (chars[0] + a[0], chars[1] + a[1]), starts, calls + sum(len(m.tool_calls) for m in added))  # fmt: skip
 
 
 class HistoryMemo:
@@ -212,7 +220,10 @@ class HistoryMemo:
         kept = hit.raw
         n = min(len(kept), len(raw))
         if raw[:n] != kept[:n]:  # one C-level comparison in the usual case; else the first difference
-            n = next(i for i in range(n) if raw[i] != kept[i])
+            if n > 1 and raw[: n - 1] == kept[: n - 1]:  # a marker moved off the last kept item
+                n -= 1
+            else:
+                n = next(i for i in range(n) if raw[i] != kept[i])
         for i, exact in hit.exact.items():
             if i < n and orjson.dumps(raw[i]) != exact:
                 n = i
@@ -231,7 +242,11 @@ class HistoryMemo:
         if key is None or cost > self.max_bytes:
             return
         k = reuse.n if reuse is not None else 0
-        exact = {i: b for i, b in reuse.entry.exact.items() if i < k} if reuse is not None else {}
+        exact = dict(reuse.entry.exact) if reuse is not None else {}
+        if exact:  # indices ascend: drop those of the items not reused, from the end
+            at = list(exact)
+            while at and at[-1] >= k:
+                del exact[at.pop()]
         end = len(raw)
         for i in range(k, len(raw)):
             item = raw[i]
@@ -245,13 +260,14 @@ class HistoryMemo:
         starts = frozenset(s for s in conv.starts if s <= end) if conv.starts is not None else None
         if end == len(raw):  # copies of references (the request goes on to use its lists)
             entry = Converted(raw, tuple(conv.items), tuple(conv.item_ids), tuple(conv.messages), tuple(conv.ids), exact, head,
-                              conv.names, conv.chars, cost, starts)  # fmt: skip
+                              conv.names, conv.chars, cost, starts, conv.calls)  # fmt: skip
         else:
             items = conv.items[:end]
             messages = list(chain.from_iterable(items))
             names = {tc.id: tc.name for m in messages for tc in m.tool_calls}
             entry = Converted(raw[:end], items, conv.item_ids[:end], messages, list(chain.from_iterable(conv.item_ids[:end])),
-                              exact, head, names, message_chars(messages), cost, starts)  # fmt: skip
+                              exact, head, names, message_chars(messages), cost, starts,
+                              sum(len(m.tool_calls) for m in messages))  # fmt: skip
         with self._lock:
             old = self._kept.pop(key, None)
             if old is not None:

@@ -1,8 +1,8 @@
 """``splice bench overhead --growth TURNS``: does a turn cost more as its session gets longer?
 
 Agents run tool loops of hundreds of turns with short messages, resending the whole history
-every turn. Some header-less sessions (chat, or Responses API input lists as Codex and the
-Agents SDK send them) are first grown, untimed, to TURNS turns (a system
+every turn. Some header-less sessions (chat, Responses API input lists as Codex and the Agents
+SDK send them, or Anthropic Messages as Claude Code sends them) are first grown, untimed, to TURNS turns (a system
 prompt, a task, and per turn one tool call and a short tool result: ``2 * TURNS + 2``
 messages); then blocks of turns on those long sessions alternate with blocks on fresh short
 sessions (their third to sixth turns), against a Splice with ``--drift-check off``. Alternating
@@ -21,7 +21,8 @@ from .workload import SYSTEM, TOOL, USER
 
 TOOLS = [{"type": "function", "function": TOOL}]
 RESPONSES_TOOLS = [{"type": "function", **TOOL}]
-APIS = ("chat", "responses")
+MESSAGES_TOOLS = [{"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}]
+APIS = ("chat", "responses", "messages")
 
 
 def _result(step: int) -> str:
@@ -90,9 +91,33 @@ class _Responses(_Chat):
         items.append({"type": "function_call_output", "call_id": call["call_id"], "output": _result(t)})
 
 
+class _Messages(_Chat):
+    """Anthropic Messages the way Claude Code sends them: the whole history every turn, a
+    session header, and a ``cache_control`` marker on the newest block (moved every turn)."""
+
+    path = b"/v1/messages"
+
+    def session(self, name: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "text", "text": f"{USER} ({name})"}]}]
+
+    def body(self, msgs: list[dict]) -> bytes:
+        last = msgs[-1]
+        marked = {**last, "content": [*last["content"][:-1], {**last["content"][-1], "cache_control": {"type": "ephemeral"}}]}
+        return orjson.dumps({"model": "m", "max_tokens": 512, "system": [{"type": "text", "text": SYSTEM}],
+                             "messages": [*msgs[:-1], marked], "tools": MESSAGES_TOOLS})  # fmt: skip
+
+    def extend(self, msgs: list[dict], answer: dict, t: int) -> None:
+        msgs.append({"role": "assistant", "content": answer["content"]})
+        use = next(b for b in answer["content"] if b["type"] == "tool_use")
+        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": _result(t)}]})
+
+
+_CLIENTS = {"chat": _Chat, "responses": _Responses, "messages": _Messages}
+
+
 def run_growth(port: int, pid: int, turns: int, sessions: int, rounds: int, cpu_seconds, api: str = "chat") -> dict:
     """CPU per turn on sessions of ``turns`` turns against fresh ones, in alternating blocks."""
-    chat = (_Chat if api == "chat" else _Responses)(port)
+    chat = _CLIENTS[api](port)
     try:
         long = [chat.session(f"long {api} {s}") for s in range(sessions)]
         for t in range(turns):  # grown untimed
@@ -121,7 +146,7 @@ def run_growth(port: int, pid: int, turns: int, sessions: int, rounds: int, cpu_
 
 
 def print_growth(g: dict) -> None:
-    unit = "messages" if g.get("api", "chat") == "chat" else "input items"
+    unit = "input items" if g.get("api") == "responses" else "messages"
     print(f"\nSession growth, C=1, header-less {g.get('api', 'chat')} sessions, short messages, one tool call per turn, "
           "--drift-check off: "
           f"{g['sessions']} sessions grown to {g['turns']} turns, then {g['rounds']} rounds of alternating blocks "

@@ -57,8 +57,9 @@ def add_parser(sub) -> None:
                         "against fresh ones, in alternating blocks")
     p.add_argument("--growth-sessions", type=int, default=5, help="sessions of each kind in the growth phase")
     p.add_argument("--growth-rounds", type=int, default=10, help="rounds of alternating blocks in the growth phase")
-    p.add_argument("--growth-api", nargs="+", choices=("chat", "responses"), default=["chat"],
-                   help="the API(s) the growth phase's sessions use (responses: the whole input list every turn)")
+    p.add_argument("--growth-api", nargs="+", choices=("chat", "responses", "messages"), default=["chat"],
+                   help="the API(s) the growth phase's sessions use (responses: the whole input list every turn; "
+                        "messages: Anthropic's, a cache_control marker moved every turn)")
     p.add_argument("--profile", metavar="PREFIX",
                    help="sample Splice with py-spy during its phases: PREFIX-cC.txt (collapsed stacks) and the top frames printed")
     p.add_argument("--profile-gil", action="store_true",

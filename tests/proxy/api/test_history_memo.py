@@ -237,3 +237,53 @@ def test_an_edited_tool_result_in_a_claude_code_like_loop_is_seen(tmp_path):
     sent, _, memo = _anthropic_loop(tmp_path, min_messages=4, edit_at=9)
     assert memo.reused > 0
     assert "EDITED-OUTPUT" in TOK.decode(sent[9]) and "EDITED-OUTPUT" not in TOK.decode(sent[8])
+
+
+def _random_chat(rnd, n: int) -> list[dict]:
+    """Random chat messages with tool calls, some call ids used twice, some numbers in arguments."""
+    out: list[dict] = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    for i in range(n):
+        kind = rnd.choice(["call", "call", "tool", "user", "assistant"])
+        if kind == "call":
+            cid = f"c{rnd.randrange(6)}"  # a small pool: ids repeat
+            args = {"n": rnd.choice([1, 1.0, True, "1"])} if rnd.random() < 0.3 else f'{{"i": {i}}}'
+            out.append({"role": "assistant", "content": None,
+                        "tool_calls": [{"id": cid, "type": "function", "function": {"name": f"f{i}", "arguments": args}}]})  # fmt: skip
+        elif kind == "tool":
+            out.append({"role": "tool", "tool_call_id": f"c{rnd.randrange(6)}", "content": f"r{i}"})
+        else:
+            out.append({"role": kind, "content": f"{kind} {i}"})
+    return out
+
+
+def test_any_continuation_of_a_random_chat_converts_as_from_scratch():
+    """Reuses that drop kept messages (a moved marker, an edit) keep names, ids and character
+    counts exact, duplicate call ids included."""
+    import random
+
+    rnd = random.Random(11)
+    memo = HistoryMemo(min_messages=3)
+    reused = 0
+    for trial in range(300):
+        seq = _random_chat(rnd, rnd.randrange(3, 25))
+        a = rnd.randrange(3, len(seq) + 1)
+        first = seq[:a]
+        second = orjson.loads(orjson.dumps(seq))
+        if rnd.random() < 0.3:  # the last message of the first request changed (a marker moved), or an earlier one
+            j = a - 1 if rnd.random() < 0.5 else rnd.randrange(a)
+            second[j] = {**second[j], "cache_control": {"type": "ephemeral"}}
+        if rnd.random() < 0.3:  # an edited text anywhere
+            j = rnd.randrange(len(second))
+            second[j] = {**second[j], "content": f"edited {trial}"}
+        key = memo.key("chat", first, f"t{trial}")
+        memo.keep(key, first, None, convert(first, _message_converter(None), None), None, 100, keepable)
+        reuse = memo.match(key, second)
+        reused += reuse is not None
+        got = convert(second, _message_converter(None), reuse)
+        want = convert(second, _message_converter(None), None)
+        assert (got.messages, got.ids, got.names, got.chars, got.calls) == (want.messages, want.ids, want.names, want.chars, want.calls), trial
+        memo.keep(key, second, None, got, reuse, 100, keepable)  # kept from a reuse: the next match still exact
+        third = orjson.loads(orjson.dumps(second)) + [{"role": "user", "content": "more"}]
+        again = convert(third, _message_converter(None), memo.match(key, third))
+        assert again.messages == convert(third, _message_converter(None), None).messages
+    assert reused > 150
