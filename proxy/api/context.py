@@ -50,6 +50,12 @@ def client_session(headers, metadata: dict[str, Any] | None = None) -> str | Non
     return None
 
 
+def conversation_of(headers) -> str | None:
+    """The conversation a request names by header (``X-Session-Id``, else a known client's own
+    id): what per-conversation caches (``history_memo``) are keyed by."""
+    return headers.get("x-session-id") or client_session(headers)
+
+
 def session_fields(headers, metadata: dict[str, Any] | None, fallback: str | None = None) -> tuple[str | None, str | None, int | None]:
     """``(session_id, group_id, group_size)`` from ``X-Session-Id`` / ``X-Group-Id`` /
     ``X-Group-Size`` headers, else ``metadata.session_id`` / ``group_id`` / ``group_size``;

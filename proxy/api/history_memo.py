@@ -3,7 +3,7 @@ what it adds.
 
 An agent resends its whole history every turn: at 200 messages, checking their nesting and
 converting each one to ``Message``s cost more than everything else a turn does, and it grew
-with every turn. A request whose first items (chat or Anthropic messages) equal, as parsed
+with every turn. A request whose first items (chat or Anthropic messages, Responses input items) equal, as parsed
 JSON, the first items of the conversation's previous request reuses what they became; the
 comparison runs in C (dicts and strings compared by value), so a reuse is never a guess and
 costs a fraction of a conversion. ``==`` equates ``1``, ``1.0`` and ``True``, which convert
@@ -15,11 +15,13 @@ Items whose conversion depends on more than themselves and the items before them
 kept: content parts that may hold images (resolved per request). Responses API items merge
 (a reasoning item, an assistant message and the function calls after them are one assistant
 message): their converter says where a conversion may restart (no message half built), and a
-reuse stops at the last such item. Conversations are told apart
-by the session header when there is one, else by the start of their first three items (a
-group's sessions share a system prompt and task, and part at the first answer); two that look
-alike only take turns missing. Memory is bounded by the request bytes kept, least recently
-used dropped first.
+reuse stops at the last such item.
+
+Conversations are told apart by the session header when there is one (``X-Session-Id``,
+Codex's ``session-id``, Claude Code's ``X-Claude-Code-Session-Id``), else by the start of
+their first three items (a group's sessions share a system prompt and task, and part at the
+first answer); two that look alike only take turns missing. Memory is bounded by the request
+bytes kept, least recently used dropped first.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from tokenization.conversation import Message, ToolCall
 from ..errors import APIError, bad_request
 from ..session import TurnRunner
 from .content import ToolSet, offer_tools, parts_of, text_of
-from .context import turn_request
+from .context import conversation_of, turn_request
 from .images import ImageInput, ImageRequest
 from .history_memo import ConvertItem, Found, HistoryMemo, convert, read_body
 from .jsonio import JSONResponse, body_schema, build, parse_json_body, validate
@@ -280,7 +280,7 @@ def messages_router(runner: TurnRunner, images: ImageInput | None = None, memo: 
     async def post_message(request: Request):
         try:
             h = request.headers
-            body, found = read_body(await request.body(), memo, "messages", h.get("x-session-id") or h.get("x-claude-code-session-id"),
+            body, found = read_body(await request.body(), memo, "messages", conversation_of(h),
                                     lambda b: _head(b.get("system")))  # fmt: skip
             req_images = await images.prepare(body) if images is not None else None
             ctx = build(build_messages_context, body, request.headers, runner, req_images, memo, found)
