@@ -83,13 +83,20 @@ def _nested(depth: int):
     return v
 
 
-@pytest.mark.parametrize("header", [False, True])
-def test_a_long_tool_loop_sends_the_engine_what_it_sends_without_the_memo(tmp_path, header):
-    with_memo, replies, memo = _loop(tmp_path / "a", min_messages=4, header=header)
-    without, replies_off, memo_off = _loop(tmp_path / "b", min_messages=10**9, header=header)
-    assert all(r.status_code == 200 for r in replies + replies_off)
+def on_and_off(loop, tmp_path, **kw):
+    """``loop`` with the memo on and off; asserts the memo was used and changed nothing the engine
+    sees. Returns (engine requests, replies with it, replies without it)."""
+    with_memo, replies, memo = loop(tmp_path / "a", min_messages=4, **kw)
+    without, replies_off, memo_off = loop(tmp_path / "b", min_messages=10**9, **kw)
     assert memo.reused >= TURNS - 3 and memo_off.reused == 0  # the memo was used on (almost) every later turn
     assert with_memo == without  # token for token, every turn
+    return with_memo, replies, replies_off
+
+
+@pytest.mark.parametrize("header", [False, True])
+def test_a_long_tool_loop_sends_the_engine_what_it_sends_without_the_memo(tmp_path, header):
+    with_memo, replies, replies_off = on_and_off(_loop, tmp_path, header=header)
+    assert all(r.status_code == 200 for r in replies + replies_off)
     for a, b in zip(replies, replies_off):
         ma, mb = a.json()["choices"][0]["message"], b.json()["choices"][0]["message"]
         assert (ma["content"], [t["function"] for t in ma["tool_calls"]]) == (mb["content"], [t["function"] for t in mb["tool_calls"]])
@@ -224,10 +231,7 @@ def _anthropic_loop(tmp_path, *, min_messages: int, edit_at: int | None = None):
 
 
 def test_a_claude_code_like_loop_sends_the_engine_what_it_sends_without_the_memo(tmp_path):
-    with_memo, _, memo = _anthropic_loop(tmp_path / "a", min_messages=4)
-    without, _, memo_off = _anthropic_loop(tmp_path / "b", min_messages=10**9)
-    assert memo.reused >= TURNS - 3 and memo_off.reused == 0
-    assert with_memo == without
+    with_memo, _, _ = on_and_off(_anthropic_loop, tmp_path)
     for prev, cur in zip(with_memo, with_memo[1:]):
         assert cur[: len(prev)] == prev  # spliced every turn
     assert '"timeout": 120000' in TOK.decode(with_memo[-1]) or '"timeout":120000' in TOK.decode(with_memo[-1])

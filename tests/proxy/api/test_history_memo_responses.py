@@ -14,7 +14,6 @@ import asyncio
 import random
 
 import orjson
-import pytest
 
 from proxy.api.content import name_tool_messages
 from proxy.api.history_memo import NOT_KEPT, HistoryMemo, convert
@@ -23,7 +22,7 @@ from proxy.api.responses import _InputConverter, input_to_messages, keepable, me
 from proxy.api.responses_conversation import _ConversationJSON, message_to_dict
 from proxy.session.runner import message_chars
 from tests.fakes.engines import Step
-from tests.proxy.api.test_history_memo import TOK, TURNS, _serving
+from tests.proxy.api.test_history_memo import TOK, TURNS, _serving, on_and_off
 from tokenization.conversation import Message, ToolCall
 
 TOOLS = [{"type": "function", "name": "run", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
@@ -63,10 +62,7 @@ def _loop(tmp_path, *, min_messages: int, edit_at: int | None = None):
 
 
 def test_a_codex_like_loop_sends_the_engine_what_it_sends_without_the_memo(tmp_path):
-    with_memo, replies, memo = _loop(tmp_path / "a", min_messages=4)
-    without, replies_off, memo_off = _loop(tmp_path / "b", min_messages=10**9)
-    assert memo.reused >= TURNS - 3 and memo_off.reused == 0
-    assert with_memo == without  # token for token, every turn, and the previous_response_id turn
+    with_memo, replies, replies_off = on_and_off(_loop, tmp_path)  # the previous_response_id turn too
     assert [r.json()["output"][-1]["arguments"] for r in replies[:-1]] == [r.json()["output"][-1]["arguments"] for r in replies_off[:-1]]
     loop = with_memo[:TURNS]  # the previous_response_id turn has no instructions (OpenAI's rule)
     for prev, cur in zip(loop, loop[1:]):
