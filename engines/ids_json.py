@@ -49,8 +49,8 @@ class IdsJson:
                 else:
                     text = prev_text
                 self.reused += 1
-        if text is None:
-            text = orjson.dumps(ids, option=_NUMPY)
+        if text is None:  # kept at its size: orjson's bytes hold up to 3 times their length
+            text = bytes(memoryview(orjson.dumps(ids, option=_NUMPY)))
         own = ids.copy()  # the caller's array may change later; the check compares against this copy
         self._last[key] = (own, text)
         self._bytes += own.nbytes + len(text)

@@ -230,8 +230,8 @@ class TurnTable:
             done.update(seq=seq, resp_seq=resp_seq, sampling_id=sampling_id)
 
         def committed() -> None:
-            if len(self._sampling_ids) < 4096:  # committed: the id is real
-                self._sampling_ids[sampling] = done["sampling_id"]
+            if len(self._sampling_ids) < 4096:  # committed: the id is real (kept at its size: orjson's bytes hold 4 KB)
+                self._sampling_ids[bytes(memoryview(sampling))] = done["sampling_id"]
             # Only after COMMIT: a rolled-back seq may be reused by another turn.
             self._full_ids.put(done["seq"], np.concatenate([prompt, out]))
             self._roles.put(turn.turn_id, turn.role)

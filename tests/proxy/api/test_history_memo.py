@@ -17,7 +17,7 @@ import respx
 
 from engines.pool import EnginePool
 from proxy.api.chat import _message_converter, keepable
-from proxy.api.history_memo import HistoryMemo, convert
+from proxy.api.history_memo import ITEM_BYTES, HistoryMemo, convert
 from proxy.session.runner import message_chars
 from proxy.app import create_app
 from proxy.settings import Settings
@@ -176,7 +176,8 @@ def test_a_moved_marker_reuses_the_messages_before_it_and_image_parts_are_never_
 
 
 def test_a_match_needs_the_exact_kept_messages_and_memory_stays_bounded():
-    memo = HistoryMemo(min_messages=3, max_bytes=1000)
+    entry = 400 + 3 * ITEM_BYTES  # what each kept 3-message conversation below counts
+    memo = HistoryMemo(min_messages=3, max_bytes=2 * entry + 100)
     raw = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
     assert memo.key("chat", raw[:2], None) is None  # too short to bother
     key = memo.key("chat", raw, None)
@@ -191,11 +192,51 @@ def test_a_match_needs_the_exact_kept_messages_and_memory_stays_bounded():
     assert convert(edited, _message_converter(None), memo.match(key, edited)).messages[1].content == "U"
     assert memo.key("chat", raw, "sess-1") != key  # a session header keeps look-alike conversations apart
     conv = convert(raw, _message_converter(None), None)
-    for i in range(5):  # 400 bytes each against a 1000-byte bound: the oldest go first
+    for i in range(5):  # room for two: the oldest go first
         memo.keep(("k", i), raw, None, conv, None, 400, keepable)
-    assert len(memo._kept) == 2 and memo._bytes == 800
-    memo.keep(("big",), raw, None, conv, None, 5000, keepable)  # larger than the whole bound: not kept
+    assert len(memo._kept) == 2 and memo._bytes == 2 * entry
+    memo.keep(("big",), raw, None, conv, None, 2 * entry, keepable)  # larger than the whole bound: not kept
     assert ("big",) not in memo._kept
+
+
+def _chat_tool_loop(t: int) -> list[dict]:
+    return [{"role": "assistant", "content": None,
+             "tool_calls": [{"id": f"call_{t:024d}", "type": "function", "function": {"name": "f", "arguments": f'{{"x": {t}}}'}}]},
+            {"role": "tool", "tool_call_id": f"call_{t:024d}", "content": f'{{"step": {t}, "ok": true}}'}]  # fmt: skip
+
+
+def _claude_tool_loop(t: int) -> list[dict]:  # tool inputs hold numbers: kept as JSON too (``exact``)
+    return [{"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{t:020d}", "name": "f", "input": {"x": t}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t:020d}", "content": f"step {t} ok"}]}]  # fmt: skip
+
+
+@pytest.mark.parametrize("dialect", ["chat", "messages"])
+def test_the_bound_counts_what_a_kept_conversation_holds(dialect):
+    """A tool loop of short messages holds several times its JSON in parsed objects and
+    ``Message``s: the bound must count that, not the request bytes."""
+    import tracemalloc
+
+    from proxy.api.messages import _message_converter as messages_converter, keepable as messages_keepable
+
+    turn, conv_item, keep_ok = ((_chat_tool_loop, _message_converter(None), keepable) if dialect == "chat" else
+                                (_claude_tool_loop, messages_converter(None), messages_keepable))  # fmt: skip
+    msgs = [{"role": "user", "content": "Build it."}] + [m for t in range(150) for m in turn(t)]
+    raw = orjson.dumps({"messages": msgs})
+    memo = HistoryMemo()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for s in range(10):
+            body = orjson.loads(raw.replace(b"Build it.", b"Build it %d." % s))
+            memo.keep(memo.key(dialect, body["messages"], None), body["messages"], None,
+                      convert(body["messages"], conv_item, None), None, len(raw), keep_ok)  # fmt: skip
+            del body
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(memo._kept) == 10
+    assert held > 3 * 10 * len(raw)  # what the request bytes alone would have counted is far too little
+    assert memo._bytes >= held  # the estimate covers what is really held
 
 
 def _anthropic_loop(tmp_path, *, min_messages: int, edit_at: int | None = None):
