@@ -3,10 +3,10 @@ what it adds.
 
 An agent resends its whole history every turn: at 200 messages, checking their nesting and
 converting each one to ``Message``s cost more than everything else a turn does, and it grew
-with every turn. A request whose first items (chat or Anthropic messages, Responses input items) equal, as parsed
-JSON, the first items of the conversation's previous request reuses what they became; the
-comparison runs in C (dicts and strings compared by value), so a reuse is never a guess and
-costs a fraction of a conversion. ``==`` equates ``1``, ``1.0`` and ``True``, which convert
+with every turn. A request whose first items (chat or Anthropic messages, Responses input
+items) equal, as parsed JSON, the first items of the conversation's previous request reuses
+what they became; the comparison runs in C (dicts and strings compared by value), so a reuse
+is never a guess and costs a fraction of a conversion. ``==`` equates ``1``, ``1.0`` and ``True``, which convert
 differently (tool-call arguments are written out as JSON): an item holding a number or a
 boolean is also compared as JSON bytes. The comparison finds the longest equal prefix, since
 clients move per-message markers (Anthropic's ``cache_control``) to the newest messages.
