@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         print(json.dumps(_child(a.n, a.concurrency[0], a.pixels)))
         return 0
-    print(f"| requests at once | --image-decode-concurrency | image | PNG KiB | peak RSS above start, MB | held after, MB | seconds |")
+    print("| requests at once | --image-decode-concurrency | image | PNG KiB | peak RSS above start, MB | held after, MB | seconds |")
     print("|---|---|---|---|---|---|---|")
     for c in a.concurrency:
         out = subprocess.run([sys.executable, "-m", "proxy.bench.image_memory", "--child", "--n", str(a.n), "--pixels", str(a.pixels),

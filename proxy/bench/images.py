@@ -12,7 +12,6 @@ Screenshots are synthetic UI frames (``--width`` x ``--height``), PNG, different
 
 from __future__ import annotations
 
-import argparse
 import base64
 import io
 import json

@@ -104,6 +104,8 @@ def run(args) -> dict:
     from engines.reference.model_init import ensure_model, perturb_model
     from trainer_bridge.publish import publish  # the trainer's side: HTTP only
 
+    from proxy.auth import local_admin_headers
+
     tmp = Path(tempfile.mkdtemp(prefix="splice_bench_publish_"))
     model_dir = str(ensure_model(tmp / "tiny"))
     paths = [str(perturb_model(model_dir, tmp / f"w{k}", seed=k + 1, scale=0.05)) for k in range(2)]
