@@ -288,6 +288,9 @@ class HistoryMemo:
                 self._bytes -= self._kept.popitem(last=False)[1].cost
 
 
+NOT_KEPT = object()  # what ``read_body``'s ``head`` returns for a request whose conversation is not kept
+
+
 def read_body(raw: bytes, memo: HistoryMemo, dialect: str, session_id: str | None,
               head: Callable[[dict], Any] = lambda body: None, field: str = "messages") -> tuple[dict[str, Any], Found]:  # fmt: skip
     """A turn request's JSON object, its nesting checked except in the items (``body[field]``)
@@ -301,5 +304,3 @@ def read_body(raw: bytes, memo: HistoryMemo, dialect: str, session_id: str | Non
     check_body_depth(raw, body, items=field, checked=reuse.n if reuse is not None else 0)
     return body, Found(key, reuse, len(raw))
 
-
-NOT_KEPT = object()  # what ``read_body``'s ``head`` returns for a request whose conversation is not kept

@@ -89,8 +89,8 @@ class _InputConverter:
     """Responses input items -> ``Message``s, one item at a time (``history_memo.MergingConverter``):
     each call returns the messages the item completed and the ids it carries."""
 
-    def __init__(self, tools: ToolSet | None, images: ImageRequest):
-        self.tools, self.images = tools, images
+    def __init__(self, tools: ToolSet | None = None, images: ImageRequest | None = None):
+        self.tools, self.images = tools, images if images is not None else ImageRequest(None)
         self.pending: _PendingAssistant | None = None
 
     def at_start(self) -> bool:
@@ -218,7 +218,7 @@ def input_to_messages(
         return [], []
     if isinstance(items, str):
         return [Message(role="user", content=items)], []
-    one = _InputConverter(tools, images if images is not None else ImageRequest(None))
+    one = _InputConverter(tools, images)
     out: list[Message] = []
     ids: list[str] = []
     for i, item in enumerate(items):
@@ -304,7 +304,7 @@ def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: Resp
         hints.append(req.previous_response_id)
     chars = None
     if found is not None and found.key is not None and isinstance(items, list):
-        conv = convert(items, _InputConverter(ts, images if images is not None else ImageRequest(None)), found.reuse)
+        conv = convert(items, _InputConverter(ts, images), found.reuse)
         if memo is not None:
             memo.keep(found.key, body["input"], None, conv, found.reuse, found.cost, keepable)
         history, ids = conv.messages, conv.ids  # tool messages named as they were converted
