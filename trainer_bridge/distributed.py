@@ -9,6 +9,7 @@ code path is the same for every world size; the object collectives below skip th
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import sys
 import tempfile
@@ -52,6 +53,10 @@ def setup(device_preference: str = "auto", timeout_s: float = 3600.0) -> Dist:
     device = pick_device(device_preference, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if world_size > 1 and not faulthandler.is_enabled():
+        # a native abort in one rank (gloo, NCCL, a C++ assert) then prints every thread's Python
+        # stack in that rank's log, not only torchrun's bare "Signal 6 (SIGABRT)"
+        faulthandler.enable()
     owns_group = not torch_dist.is_initialized()
     if owns_group:
         backend = "nccl" if device.type == "cuda" else "gloo"

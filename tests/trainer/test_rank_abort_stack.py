@@ -1,0 +1,41 @@
+"""A rank that dies in native code (gloo, NCCL, a C++ assert) leaves its Python stack in the log.
+
+torchrun alone reports only "Signal 6 (SIGABRT) received by PID ..."; ``distributed.setup``
+turns on ``faulthandler`` for multi-rank runs so the log says where the rank was.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+WORKER = '''
+import os
+from trainer_bridge import distributed
+
+def native_abort_here():
+    os.abort()  # what std::terminate does
+
+dist = distributed.setup("cpu")
+if dist.rank == 1:
+    native_abort_here()
+distributed.teardown(dist)
+'''
+
+
+def test_a_rank_aborting_in_native_code_prints_its_python_stack(tmp_path):
+    script = tmp_path / "abort_worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("PYTHONFAULTHANDLER", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert "Fatal Python error: Aborted" in log, log[-3000:]
+    assert "in native_abort_here" in log, log[-3000:]
