@@ -80,6 +80,7 @@ def _single_process_group(backend: str, timeout: timedelta) -> None:
 
 
 _STORE_FILES: list[str] = []
+_LAST_WORK: list[Any] = []  # see teardown(): freed by the main thread, never by gloo's
 
 
 @atexit.register
@@ -104,10 +105,19 @@ def teardown(dist: Dist) -> None:
     first: a rank that finished early (rank 0 still writing files) would otherwise close its
     gloo connections under the others, and gloo aborts a rank whose peer went away ("terminate
     called without an active exception"). While an exception unwinds there is no barrier: the
-    other ranks may be inside a collective, and waiting on them would turn a crash into a hang."""
+    other ranks may be inside a collective, and waiting on them would turn a crash into a hang.
+
+    The barrier's work object is kept until the interpreter exits. Otherwise gloo's worker
+    thread may drop the last reference to it after this function has returned; freeing it
+    needs the GIL (it holds a tensor with a Python object), and a thread asking for the GIL
+    while the interpreter finalizes is ended by a forced unwind, which aborts the process with
+    the same "terminate called without an active exception" (seen about once in 50 exits of
+    two ranks on a loaded machine)."""
     if dist.owns_group and torch_dist.is_initialized():
         if dist.world_size > 1 and sys.exc_info()[0] is None:
-            torch_dist.barrier()
+            work = torch_dist.barrier(async_op=True)
+            work.wait()
+            _LAST_WORK.append(work)
         torch_dist.destroy_process_group()
         _remove_store_files()
 
