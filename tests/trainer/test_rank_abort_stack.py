@@ -28,14 +28,17 @@ distributed.teardown(dist)
 '''
 
 
-def test_a_rank_aborting_in_native_code_prints_its_python_stack(tmp_path):
-    script = tmp_path / "abort_worker.py"
-    script.write_text(WORKER)
+def _two_ranks(script: Path, source: str) -> subprocess.CompletedProcess:
+    script.write_text(source)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("PYTHONFAULTHANDLER", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    env.pop("PYTHONFAULTHANDLER", None)  # what the ranks print is setup()'s doing
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_rank_aborting_in_native_code_prints_its_python_stack(tmp_path):
+    proc = _two_ranks(tmp_path / "abort_worker.py", WORKER)
     assert proc.returncode != 0
     log = proc.stdout + proc.stderr
     assert "Fatal Python error: Aborted" in log, log[-3000:]
@@ -57,11 +60,6 @@ def test_teardown_keeps_the_last_barrier_for_the_main_thread_to_free(tmp_path):
     """Gloo's worker thread must never drop the last reference to the final barrier: freeing it
     takes the GIL, and at interpreter exit that aborted about one two-rank exit in 50 under load
     (the backtrace: ``~AsyncBarrierWork`` -> ``take_gil`` -> forced unwind -> ``std::terminate``)."""
-    script = tmp_path / "holder_worker.py"
-    script.write_text(HOLDER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], env=env, capture_output=True, text=True, timeout=300)
+    proc = _two_ranks(tmp_path / "holder_worker.py", HOLDER)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("held ") == 2
