@@ -102,22 +102,21 @@ def ensure_group(dist: Dist) -> None:
 
 def teardown(dist: Dist) -> None:
     """Destroy the process group ``setup`` made. On a clean exit the ranks meet at a barrier
-    first: a rank that finished early (rank 0 still writing files) would otherwise close its
-    gloo connections under the others, and gloo aborts a rank whose peer went away ("terminate
-    called without an active exception"). While an exception unwinds there is no barrier: the
-    other ranks may be inside a collective, and waiting on them would turn a crash into a hang.
+    first, so no rank closes its connections while another (rank 0 still writing files) is yet
+    to use them. While an exception unwinds there is no barrier: the other ranks may be inside
+    a collective, and waiting on them would turn a crash into a hang.
 
     The barrier's work object is kept until the interpreter exits. Otherwise gloo's worker
     thread may drop the last reference to it after this function has returned; freeing it
     needs the GIL (it holds a tensor with a Python object), and a thread asking for the GIL
     while the interpreter finalizes is ended by a forced unwind, which aborts the process with
-    the same "terminate called without an active exception" (seen about once in 50 exits of
-    two ranks on a loaded machine)."""
+    "terminate called without an active exception" (about one two-rank exit in 50 on a loaded
+    machine, after all work was done)."""
     if dist.owns_group and torch_dist.is_initialized():
         if dist.world_size > 1 and sys.exc_info()[0] is None:
             work = torch_dist.barrier(async_op=True)
             work.wait()
-            _LAST_WORK.append(work)
+            _LAST_WORK[:] = [work]
         torch_dist.destroy_process_group()
         _remove_store_files()
 
