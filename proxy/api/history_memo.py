@@ -6,10 +6,11 @@ converting each one to ``Message``s cost more than everything else a turn does, 
 with every turn. A request whose first items (chat or Anthropic messages, Responses input
 items) equal, as parsed JSON, the first items of the conversation's previous request reuses
 what they became; the comparison runs in C (dicts and strings compared by value), so a reuse
-is never a guess and costs a fraction of a conversion. ``==`` equates ``1``, ``1.0`` and ``True``, which convert
-differently (tool-call arguments are written out as JSON): an item holding a number or a
-boolean is also compared as JSON bytes. The comparison finds the longest equal prefix, since
-clients move per-message markers (Anthropic's ``cache_control``) to the newest messages.
+is never a guess and costs a fraction of a conversion. ``==`` equates ``1``, ``1.0`` and
+``True``, which convert differently (tool-call arguments are written out as JSON): an item
+holding a number or a boolean is also compared as JSON bytes. The comparison finds the
+longest equal prefix, since clients move per-message markers (Anthropic's ``cache_control``)
+to the newest messages.
 
 Items whose conversion depends on more than themselves and the items before them are never
 kept: content parts that may hold images (resolved per request). Responses API items merge
