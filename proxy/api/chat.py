@@ -152,7 +152,7 @@ def build_chat_context(body: dict[str, Any], headers, runner: TurnRunner, images
     conv = convert(req.messages, _message_converter(images), found.reuse if found is not None else None)
     messages, ids = conv.messages, conv.ids
     if memo is not None and found is not None:
-        memo.keep(found.key, body["messages"], None, conv, found.reuse, found.cost, keepable)
+        memo.keep(found.key, body["messages"], None, conv, found.reuse, found.cost, keepable, found.layout)
     treq = turn_request(
         "chat", req, headers, model=runner.model_name, messages=messages, tools=tools, hints=ids, stop=req.stop_list,
         max_output_tokens=req.max_output_tokens, not_offered=ts.not_offered, controls=chat_controls(req),

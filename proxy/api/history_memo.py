@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, islice
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import orjson
@@ -41,6 +41,7 @@ from tokenization.conversation import Message
 from ..session.runner import message_chars
 from .content import name_tool_messages
 from .jsonio import check_body_depth, parse_json_object
+from .resent_bytes import MIN_BYTES, WINDOW, Layout, extend_ends, field_start, layout_of, parse_after, shared_items
 
 ConvertItem = Callable[[int, Any], tuple[Sequence[Message], Sequence[str]]]
 
@@ -74,6 +75,7 @@ class Converted:
     cost: int
     starts: frozenset[int] | None = None  # items a conversion may restart at (None: every one)
     calls: int = 0  # tool calls in ``messages`` (``names`` has fewer keys when an id is used twice)
+    layout: Layout | None = None  # where ``raw`` sits in the request's bytes (proxy/api/resent_bytes.py)
 
 
 class Reuse(NamedTuple):
@@ -87,6 +89,7 @@ class Found(NamedTuple):
     key: tuple | None
     reuse: Reuse | None
     cost: int  # the request's bytes (keeping its conversion also counts ``ITEM_BYTES`` an item)
+    layout: Layout | None = None  # where the request's items sit in its bytes, for the next request
 
 
 class Conversion(NamedTuple):
@@ -200,27 +203,63 @@ def convert(raw: list[Any], convert_item: ConvertItem | MergingConverter, reuse:
 # converted to, the tuples holding them. Measured with tracemalloc on 300-item tool loops: about
 # 900 bytes a chat message, 800 a Responses item, 1,150 an Anthropic message (content blocks).
 ITEM_BYTES = 1536
+# Kept requests a long request is compared with before it is parsed, newest first: the
+# conversations sharing its first bytes (an agent's system prompt) that were active last.
+CANDIDATES = 64
 
 
 class HistoryMemo:
-    def __init__(self, *, min_messages: int = 8, max_bytes: int = 64 << 20, max_entries: int = 16384):
+    def __init__(self, *, min_messages: int = 8, max_bytes: int = 64 << 20, max_entries: int = 16384, min_bytes: int = MIN_BYTES):
         self.min_messages = min_messages
+        self.min_bytes = min_bytes  # requests this long are parsed from what they add (``resent``)
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self._kept: OrderedDict[tuple, Converted] = OrderedDict()
+        # The bytes after a kept request's "[" -> the keys kept with them, newest last
+        self._by_bytes: dict[tuple, dict[tuple, None]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self.reused = 0  # requests that reused a kept prefix (a count for tests and benches)
+        self.resent_parsed = 0  # requests parsed from the bytes they add (``resent``)
 
-    def key(self, dialect: str, raw: Any, session_id: str | None) -> tuple | None:
-        """Where a conversation's conversion is kept (None: too short to be worth keeping).
+    def key(self, dialect: str, raw: Any, session_id: str | None, size: int = 0) -> tuple | None:
+        """Where a conversation's conversion is kept (None: too short to be worth keeping: fewer
+        than ``min_messages`` items, or than 3 in a request of ``min_bytes`` or more).
         Dialects convert equal JSON differently, so each has its own keys."""
-        if type(raw) is not list or len(raw) < self.min_messages:
+        if type(raw) is not list or len(raw) < (3 if size >= self.min_bytes else self.min_messages):
             return None
         return (dialect, session_id, _sig(raw[0]), _sig(raw[1]), _sig(raw[2]))
 
+    def resent(self, raw: bytes, dialect: str, session_id: str | None, field: str) -> tuple[dict[str, Any], Layout] | None:
+        """``raw`` parsed from what it adds to a kept request of its conversation (the body and
+        its layout; the items it repeats byte for byte are the kept objects), or None: parse it
+        in full."""
+        start = field_start(raw, field)
+        if start < 0:
+            return None
+        with self._lock:
+            bucket = self._by_bytes.get((dialect, session_id, raw[start + 1 : start + 1 + WINDOW]))
+            hits = [self._kept.get(k) for k in islice(reversed(bucket), CANDIDATES)] if bucket else ()
+        for hit in hits:
+            if hit is None or hit.layout is None:
+                continue
+            old = hit.layout
+            if not all(raw[e + 1 : e + 1 + WINDOW] == old.body[e + 1 : e + 1 + WINDOW] for e in old.ends[:2]):
+                continue  # another conversation (another task, another first answer): a cheap look first
+            if not raw.startswith(memoryview(old.body)[: old.ends[min(2, len(old.ends) - 1)] + 1]):
+                continue
+            k = shared_items(raw, old)
+            body = parse_after(raw, old, k, field)
+            if body is None:
+                return None
+            items = body[field]
+            items[:0] = hit.raw[:k]  # the kept objects: equal to what parsing their bytes gives
+            self.resent_parsed += 1
+            return body, Layout(raw, old.start, extend_ends(raw, old.start, old.ends[:k], items))
+        return None
+
     def match(self, key: tuple | None, raw: list[Any], head: Any = None) -> Reuse | None:
-        """The kept conversion and how many of ``raw``'s first items equal its items, or None."""
+        """The kept conversation and how many of ``raw``'s first items equal its items, or None."""
         if key is None:
             return None
         with self._lock:
@@ -235,7 +274,7 @@ class HistoryMemo:
             else:
                 n = next(i for i in range(n) if raw[i] != kept[i])
         for i, exact in hit.exact.items():
-            if i < n and orjson.dumps(raw[i]) != exact:
+            if i < n and raw[i] is not kept[i] and orjson.dumps(raw[i]) != exact:  # ``resent`` hands the kept ones
                 n = i
         if hit.starts is not None:  # back to where no message is half built
             while n and n not in hit.starts:
@@ -246,9 +285,10 @@ class HistoryMemo:
         return Reuse(hit, n)
 
     def keep(self, key: tuple | None, raw: list[Any], head: Any, conv: Conversion, reuse: Reuse | None, cost: int,
-             keepable: Callable[[Any], bool]) -> None:  # fmt: skip
+             keepable: Callable[[Any], bool], layout: Layout | None = None) -> None:  # fmt: skip
         """Keep ``conv`` for the conversation's next request, up to its first item ``keepable``
-        refuses. ``cost``: the request's bytes; an entry counts them plus ``ITEM_BYTES`` an item."""
+        refuses. ``cost``: the request's bytes; an entry counts them plus ``ITEM_BYTES`` an item.
+        ``layout``: where ``raw`` sits in the request's bytes (``Found.layout``)."""
         cost += ITEM_BYTES * len(raw)
         if key is None or cost > self.max_bytes:
             return
@@ -269,24 +309,43 @@ class HistoryMemo:
         if end == 0:
             return
         starts = frozenset(s for s in conv.starts if s <= end) if conv.starts is not None else None
+        if layout is not None:
+            layout = Layout(layout.body, layout.start, layout.ends[:end]) if len(layout.ends) > end else layout
         if end == len(raw):  # copies of references (the request goes on to use its lists)
             entry = Converted(raw, tuple(conv.items), tuple(conv.item_ids), tuple(conv.messages), tuple(conv.ids), exact, head,
-                              conv.names, conv.chars, cost, starts, conv.calls)  # fmt: skip
+                              conv.names, conv.chars, cost, starts, conv.calls, layout)  # fmt: skip
         else:
             items = conv.items[:end]
             messages = list(chain.from_iterable(items))
             names = {tc.id: tc.name for m in messages for tc in m.tool_calls}
             entry = Converted(raw[:end], items, conv.item_ids[:end], messages, list(chain.from_iterable(conv.item_ids[:end])),
                               exact, head, names, message_chars(messages), cost, starts,
-                              sum(len(m.tool_calls) for m in messages))  # fmt: skip
+                              sum(len(m.tool_calls) for m in messages), layout)  # fmt: skip
         with self._lock:
             old = self._kept.pop(key, None)
             if old is not None:
                 self._bytes -= old.cost
+                self._unindex(key, old)
             self._kept[key] = entry
             self._bytes += entry.cost
+            if layout is not None:
+                at = layout.start + 1
+                self._by_bytes.setdefault((key[0], key[1], layout.body[at : at + WINDOW]), {})[key] = None
             while (self._bytes > self.max_bytes or len(self._kept) > self.max_entries) and self._kept:
-                self._bytes -= self._kept.popitem(last=False)[1].cost
+                gone, dropped = self._kept.popitem(last=False)
+                self._bytes -= dropped.cost
+                self._unindex(gone, dropped)
+
+    def _unindex(self, key: tuple, entry: Converted) -> None:
+        if entry.layout is None:
+            return
+        at = entry.layout.start + 1
+        bkey = (key[0], key[1], entry.layout.body[at : at + WINDOW])
+        bucket = self._by_bytes.get(bkey)
+        if bucket is not None:
+            bucket.pop(key, None)
+            if not bucket:
+                del self._by_bytes[bkey]
 
 
 NOT_KEPT = object()  # what ``read_body``'s ``head`` returns for a request whose conversation is not kept
@@ -296,12 +355,17 @@ def read_body(raw: bytes, memo: HistoryMemo, dialect: str, session_id: str | Non
               head: Callable[[dict], Any] = lambda body: None, field: str = "messages") -> tuple[dict[str, Any], Found]:  # fmt: skip
     """A turn request's JSON object, its nesting checked except in the items (``body[field]``)
     ``memo`` already holds, and what of its conversation ``memo`` holds. ``head(body)``: what
-    precedes the items and must match too (None: the conversation is not kept)."""
-    body = parse_json_object(raw)
+    precedes the items and must match too (None: the conversation is not kept).
+
+    A long request that repeats the bytes of its conversation's last request is parsed from
+    what it adds (proxy/api/resent_bytes.py)."""
+    resent = memo.resent(raw, dialect, session_id, field) if len(raw) >= memo.min_bytes else None
+    body, layout = resent if resent is not None else (parse_json_object(raw), None)
     msgs = body.get(field)
     h = head(body)
-    key = memo.key(dialect, msgs, session_id) if h is not NOT_KEPT else None
+    key = memo.key(dialect, msgs, session_id, len(raw)) if h is not NOT_KEPT else None
     reuse = memo.match(key, msgs, h) if key is not None else None
     check_body_depth(raw, body, items=field, checked=reuse.n if reuse is not None else 0)
-    return body, Found(key, reuse, len(raw))
-
+    if layout is None and key is not None and len(raw) >= memo.min_bytes:
+        layout = layout_of(raw, body, field, field_start(raw, field), msgs)
+    return body, Found(key, reuse, len(raw), layout)

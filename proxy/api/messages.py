@@ -233,7 +233,7 @@ def build_messages_context(body: dict[str, Any], headers, runner: TurnRunner, im
     conv = convert(req.messages, _message_converter(images), reuse)
     messages, ids = _with_system(sys_text, conv.messages), conv.ids
     if memo is not None and found is not None:
-        memo.keep(found.key, body["messages"], sys_text, conv, reuse, found.cost, keepable)
+        memo.keep(found.key, body["messages"], sys_text, conv, reuse, found.cost, keepable, found.layout)
     treq = turn_request(
         "messages", req, headers, model=runner.model_name, messages=messages, tools=ts.tools, hints=ids,
         stop=list(req.stop_sequences or []), max_output_tokens=req.max_tokens, not_offered=ts.not_offered,

@@ -306,7 +306,7 @@ def build_context(body: dict[str, Any], headers, runner: TurnRunner, store: Resp
     if found is not None and found.key is not None and isinstance(items, list):
         conv = convert(items, _InputConverter(ts, images), found.reuse)
         if memo is not None:
-            memo.keep(found.key, body["input"], None, conv, found.reuse, found.cost, keepable)
+            memo.keep(found.key, body["input"], None, conv, found.reuse, found.cost, keepable, found.layout)
         history, ids = conv.messages, conv.ids  # tool messages named as they were converted
         n = len(req.instructions or "")
         chars = (conv.chars[0] + n, conv.chars[1] + n)  # the instructions are a system message

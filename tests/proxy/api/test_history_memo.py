@@ -44,6 +44,8 @@ async def _serving(tmp_path, min_messages: int):
         app = create_app(Settings(store=str(tmp_path / "s.sqlite"), engine_url=[URL]), fmt=ChatFormat(TOK, "qwen3"),
                          pool=EnginePool("sglang", [URL], health_interval_s=0))  # fmt: skip
         app.state.history_memo.min_messages = min_messages
+        if min_messages < 10**9:  # every request parsed from the bytes it adds (resent_bytes.py), however short
+            app.state.history_memo.min_bytes = 0
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
                 yield c, engine, app
@@ -89,6 +91,7 @@ def on_and_off(loop, tmp_path, **kw):
     with_memo, replies, memo = loop(tmp_path / "a", min_messages=4, **kw)
     without, replies_off, memo_off = loop(tmp_path / "b", min_messages=10**9, **kw)
     assert memo.reused >= TURNS - 3 and memo_off.reused == 0  # the memo was used on (almost) every later turn
+    assert memo.resent_parsed >= TURNS - 4 and memo_off.resent_parsed == 0  # and the bytes it had seen were not parsed again
     assert with_memo == without  # token for token, every turn
     return with_memo, replies, replies_off
 
