@@ -274,6 +274,13 @@ def fingerprint(messages: list[Message] | tuple[Message, ...]) -> str:
 
 
 def tools_fingerprint(tools: list[Tool] | tuple[Tool, ...] | None) -> str:
+    """A stable hash of the tools offered, part of every history fingerprint of a turn.
+
+    Agents send the same tools every turn (Claude Code's are about 60 KB of JSON, which
+    ``json.dumps(sort_keys=True)`` writes in about 0.3 ms here): the last fingerprints are kept
+    per tool names with the tools' JSON as orjson writes it (a few times faster), and reused only
+    when that JSON and the values are equal (``1``, ``1.0`` and ``True`` write differently; a NaN
+    never equals itself)."""
     import hashlib
 
     data = []
@@ -283,7 +290,28 @@ def tools_fingerprint(tools: list[Tool] | tuple[Tool, ...] | None) -> str:
         if sent != [("name", t.name), ("description", t.description), ("parameters", t.parameters)]:
             row.append(sent)  # only then: tools sent in the plain shape keep the fingerprint they had
         data.append(row)
-    return hashlib.blake2b(json.dumps(data, sort_keys=True).encode(), digest_size=8).hexdigest()
+    try:
+        exact: bytes | None = orjson.dumps(data)
+    except TypeError:  # integers wider than 64 bits, keys that are not strings
+        exact = None
+    key = tuple(row[0] for row in data)
+    if exact is not None:
+        with _TOOLS_LOCK:
+            hit = _TOOLS_FP.get(key)
+        if hit is not None and hit[0] == exact and hit[1] == data:
+            return hit[2]
+    fp = hashlib.blake2b(json.dumps(data, sort_keys=True).encode(), digest_size=8).hexdigest()
+    if exact is not None:
+        with _TOOLS_LOCK:
+            _TOOLS_FP[key] = (bytes(memoryview(exact)), data, fp)  # orjson's own bytes keep spare room
+            _TOOLS_FP.move_to_end(key)
+            while len(_TOOLS_FP) > 64:
+                _TOOLS_FP.popitem(last=False)
+    return fp
+
+
+_TOOLS_FP: OrderedDict[tuple, tuple[bytes, list, str]] = OrderedDict()  # tool names -> (JSON, values, fingerprint)
+_TOOLS_LOCK = threading.Lock()
 
 
 _CONTENT = operator.attrgetter("content")
