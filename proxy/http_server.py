@@ -12,6 +12,10 @@ sends a byte every few seconds is held open forever). ``LimitedHttpToolsProtocol
 - a request the HTTP parser rejects (a NUL or other control character in a header, a broken
   request line): 400 in OpenAI's error shape instead of uvicorn's plain-text one.
 
+It also sends a response's head and body in one write (``OneSend``): uvicorn writes the status
+line and headers as soon as the app starts its response, so every JSON answer took two system
+calls and two TCP segments, and woke the client twice.
+
 Without httptools, uvicorn's h11 protocol is used with its header size limit.
 """
 
@@ -28,6 +32,44 @@ LINGER_MAX_BYTES = 64 << 20
 
 class _HeadersTooLarge(Exception):
     pass
+
+
+class OneSend:
+    """A response's transport that holds its head until the first write after it: a JSON answer
+    (head, then body, in the same step of the app) goes out in one write. A head with nothing
+    after it (a stream whose first event is not ready) is written when the loop next runs."""
+
+    __slots__ = ("_transport", "_loop", "_head")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport = transport
+        self._loop = loop
+        self._head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._transport.write(head + data)
+        elif data.startswith(b"HTTP/1.1 "):  # the status line and headers (uvicorn writes them in one piece)
+            self._head = data
+            self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            if not self._transport.is_closing():
+                self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
 
 
 def _response(status: int, reason: bytes, message: str, code: str) -> bytes:
@@ -98,7 +140,10 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            before = self.cycle
             super().on_headers_complete()
+            if self.cycle is not before:  # a request to answer (not an upgrade): its task has not run yet
+                self.cycle.transport = OneSend(self.transport, self.loop)
 
         def connection_lost(self, exc) -> None:
             self._cancel_timer()
