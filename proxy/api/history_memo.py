@@ -239,16 +239,17 @@ class HistoryMemo:
             return None
         with self._lock:
             bucket = self._by_bytes.get((dialect, session_id, raw[start + 1 : start + 1 + WINDOW]))
-            hits = [self._kept.get(k) for k in islice(reversed(bucket), CANDIDATES)] if bucket else ()
-        for hit in hits:
+            keys = list(islice(reversed(bucket), CANDIDATES)) if bucket else ()
+        for key in keys:
+            hit = self._kept.get(key)
             if hit is None or hit.layout is None:
                 continue
             old = hit.layout
             if not all(raw[e + 1 : e + 1 + WINDOW] == old.body[e + 1 : e + 1 + WINDOW] for e in old.ends[:2]):
                 continue  # another conversation (another task, another first answer): a cheap look first
-            if not raw.startswith(memoryview(old.body)[: old.ends[min(2, len(old.ends) - 1)] + 1]):
-                continue
             k = shared_items(raw, old)
+            if k < min(3, len(old.ends)):
+                continue  # not the same first items: another conversation
             body = parse_after(raw, old, k, field)
             if body is None:
                 return None
