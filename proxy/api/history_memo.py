@@ -260,7 +260,7 @@ class HistoryMemo:
         return None
 
     def match(self, key: tuple | None, raw: list[Any], head: Any = None) -> Reuse | None:
-        """The kept conversation and how many of ``raw``'s first items equal its items, or None."""
+        """The kept conversion and how many of ``raw``'s first items equal its items, or None."""
         if key is None:
             return None
         with self._lock:
