@@ -128,6 +128,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
     app.state.images = images
 
     app.state.history_memo = memo = HistoryMemo()  # each conversation's last request, converted
+    metrics.watch_history_memo(memo)
     turn_routers = (responses_router(runner, store.responses, images, memo), chat_router(runner, images, memo), messages_router(runner, images, memo))
     for router in turn_routers:
         app.include_router(router)

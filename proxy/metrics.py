@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as _Counter
 from prometheus_client import Gauge
 from prometheus_client import Histogram as _Histogram
+from prometheus_client.core import CounterMetricFamily
 
 
 class _Labelled:
@@ -30,6 +31,23 @@ class Counter(_Labelled, _Counter):
 
 class Histogram(_Labelled, _Histogram):
     pass
+
+class _HistoryReuse:
+    """``splice_history_reuse_total{kind}``, read from the app's ``HistoryMemo`` when scraped:
+    requests that reused their conversation's last request, its conversion (``conversion``) or
+    its bytes (``bytes``: parsed only from what they add)."""
+
+    def __init__(self, memo) -> None:
+        self.memo = memo
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "splice_history_reuse", "Requests that reused their conversation's last request, by what they reused", labels=["kind"]
+        )
+        family.add_metric(["conversion"], self.memo.reused)
+        family.add_metric(["bytes"], self.memo.resent_parsed)
+        yield family
+
 
 _LAT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -115,3 +133,7 @@ class Metrics:
         )  # fmt: skip
         self.store_bytes = Gauge("splice_store_bytes", "Size of the SQLite store on disk", registry=r)
         self.version = Gauge("splice_policy_version", "Current policy version", registry=r)
+
+    def watch_history_memo(self, memo) -> None:
+        """Export ``memo``'s reuse counts (``proxy/api/history_memo.py``) as ``splice_history_reuse_total``."""
+        self.registry.register(_HistoryReuse(memo))

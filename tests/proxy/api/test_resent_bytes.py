@@ -181,6 +181,9 @@ def _chat_loop(tmp_path, memo_on: bool):
                     {"role": "assistant", "content": m.get("content"), "tool_calls": m["tool_calls"]},
                     {"role": "tool", "tool_call_id": m["tool_calls"][0]["id"], "content": f"ok {k}"},
                 ]
+            scraped = (await c.get("/metrics")).text
+            assert f'splice_history_reuse_total{{kind="bytes"}} {float(memo.resent_parsed)}' in scraped
+            assert f'splice_history_reuse_total{{kind="conversion"}} {float(memo.reused)}' in scraped
         return [req["input_ids"] for req in engine.requests], memo
 
     return asyncio.run(main())
