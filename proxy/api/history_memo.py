@@ -230,13 +230,10 @@ class HistoryMemo:
             return None
         return (dialect, session_id, _sig(raw[0]), _sig(raw[1]), _sig(raw[2]))
 
-    def resent(self, raw: bytes, dialect: str, session_id: str | None, field: str) -> tuple[dict[str, Any], Layout] | None:
+    def resent(self, raw: bytes, start: int, dialect: str, session_id: str | None, field: str) -> tuple[dict[str, Any], Layout] | None:
         """``raw`` parsed from what it adds to a kept request of its conversation (the body and
         its layout; the items it repeats byte for byte are the kept objects), or None: parse it
-        in full."""
-        start = field_start(raw, field)
-        if start < 0:
-            return None
+        in full. ``start``: ``field_start(raw, field)``."""
         with self._lock:
             bucket = self._by_bytes.get((dialect, session_id, raw[start + 1 : start + 1 + WINDOW]))
             keys = list(islice(reversed(bucket), CANDIDATES)) if bucket else ()
@@ -360,13 +357,14 @@ def read_body(raw: bytes, memo: HistoryMemo, dialect: str, session_id: str | Non
 
     A long request that repeats the bytes of its conversation's last request is parsed from
     what it adds (proxy/api/resent_bytes.py)."""
-    resent = memo.resent(raw, dialect, session_id, field) if len(raw) >= memo.min_bytes else None
+    start = field_start(raw, field) if len(raw) >= memo.min_bytes else -1
+    resent = memo.resent(raw, start, dialect, session_id, field) if start >= 0 else None
     body, layout = resent if resent is not None else (parse_json_object(raw), None)
     msgs = body.get(field)
     h = head(body)
     key = memo.key(dialect, msgs, session_id, len(raw)) if h is not NOT_KEPT else None
     reuse = memo.match(key, msgs, h) if key is not None else None
     check_body_depth(raw, body, items=field, checked=reuse.n if reuse is not None else 0)
-    if layout is None and key is not None and len(raw) >= memo.min_bytes:
-        layout = layout_of(raw, body, field, field_start(raw, field), msgs)
+    if layout is None and key is not None and start >= 0:
+        layout = layout_of(raw, body, field, start, msgs)
     return body, Found(key, reuse, len(raw), layout)

@@ -19,6 +19,7 @@ no layout and is parsed in full, as before.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -64,14 +65,9 @@ def shared_items(raw: bytes, layout: Layout) -> int:
     return lo
 
 
+@functools.lru_cache(maxsize=None)  # one per dialect's field
 def _field_again(field: str) -> re.Pattern[bytes]:
-    pattern = _AGAIN.get(field)
-    if pattern is None:
-        pattern = _AGAIN[field] = re.compile(rb'"%s"\s*:\s*\[' % re.escape(field.encode()))
-    return pattern
-
-
-_AGAIN: dict[str, re.Pattern[bytes]] = {}
+    return re.compile(rb'"%s"\s*:\s*\[' % re.escape(field.encode()))
 
 
 def parse_after(raw: bytes, layout: Layout, k: int, field: str) -> dict[str, Any] | None:
