@@ -7,7 +7,8 @@ Reads go through ``read()``: every thread gets its own connection, so in WAL mod
 the last committed state without taking the writer's lock. That is what keeps the request
 path (lookups on the event loop) and bulk reads (sample assembly for a pull, in a worker
 thread) from ever stalling each other or a turn's commit. WAL checkpoints run in a background
-thread (PASSIVE: never blocks the writer).
+thread (``_checkpoint``: PASSIVE, then the last frames under the write lock so the WAL starts
+over instead of growing under steady load).
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ from typing import Iterator
 from . import schema
 
 
+# At most this many WAL frames (pages) are left for the checkpoint pass that holds the write lock.
+CHECKPOINT_LOCKED_FRAMES = 256
+
+
 class Database:
-    def __init__(self, path: str, *, synchronous: str = "NORMAL", page_size: int = 1024):
+    def __init__(
+        self, path: str, *, synchronous: str = "NORMAL", page_size: int = 1024, checkpoint_interval_s: float = 1.0
+    ):
         if synchronous.upper() not in ("NORMAL", "FULL", "EXTRA"):
             raise ValueError("synchronous must be NORMAL, FULL or EXTRA (OFF would lose committed turns)")
         self.path = path
+        self.checkpoint_interval_s = checkpoint_interval_s
         if path != ":memory:" and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
         self._wlock = threading.RLock()
@@ -86,16 +94,37 @@ class Database:
         finally:
             conn.execute("COMMIT")
 
-    def _checkpoint_loop(self, interval_s: float = 1.0) -> None:
+    def _checkpoint_loop(self) -> None:
         conn = self._connect()
         try:
-            while not self._closing.wait(interval_s):
+            while not self._closing.wait(self.checkpoint_interval_s):
                 try:
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    self._checkpoint(conn)
                 except sqlite3.Error:
                     pass  # busy or closing: the next round catches up
         finally:
             conn.close()
+
+    def _checkpoint(self, conn: sqlite3.Connection) -> None:
+        """Copy the WAL into the database so that the next commit starts the WAL over.
+
+        SQLite starts the WAL over only at a commit that finds it fully copied. Under a steady
+        stream of commits a PASSIVE checkpoint never gets there: commits append while it
+        copies, so the WAL grew for as long as the load lasted (a GB in seconds of small
+        commits). So passes copy without blocking anyone while each finds fewer new frames,
+        and the last few are copied holding the write lock, so none can follow them (about a
+        millisecond, once per interval). A reader still on old frames only delays the restart.
+        """
+        _, frames, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        if frames <= 0:
+            return
+        for _ in range(4):  # the frames commits appended during the last pass
+            _, now, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            new, frames = now - frames, now
+            if new <= CHECKPOINT_LOCKED_FRAMES:
+                break
+        with self._wlock:
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def file_bytes(self) -> int:
         return sum(_size(self.path + suffix) for suffix in ("", "-wal"))
