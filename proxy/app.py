@@ -102,6 +102,7 @@ def create_app(settings: Settings, *, fmt: ChatFormat, pool, store: Store | None
         # millions of objects) lives as long as the server; moved out of the collector's reach,
         # the full collections that turns' allocations trigger no longer walk it each time.
         gc.freeze()
+        store.db.read_through_writer()  # the loop commits every turn: its reads find the pages cached
         # A turn frees what it allocates by reference counting (tests/proxy/test_turn_garbage.py),
         # so the collector has nothing to find in it; at the default threshold (700) it still
         # walked every in-flight turn's objects hundreds of times a second under load. It now

@@ -4,7 +4,8 @@ Writes go through ``write()``: one connection, one lock, one ``BEGIN IMMEDIATE``
 per call, committed before it returns (WAL mode; with ``synchronous=NORMAL`` a commit survives
 ``kill -9`` of the proxy, only a power loss can drop the last ones; ``FULL`` fsyncs each).
 Reads go through ``read()``: every thread gets its own connection, so in WAL mode a read sees
-the last committed state without taking the writer's lock. That is what keeps the request
+the last committed state without taking the writer's lock (except the thread that commits the
+turns, which reads through the writer's warm cache: ``read_through_writer``). That is what keeps the request
 path (lookups on the event loop) and bulk reads (sample assembly for a pull, in a worker
 thread) from ever stalling each other or a turn's commit. WAL checkpoints run in a background
 thread (``_checkpoint``: PASSIVE, then the last frames under the write lock so the WAL starts
@@ -48,6 +49,7 @@ class Database:
         with self._wlock:
             schema.apply(c, path)
         self._local = threading.local()
+        self._writer_thread: int | None = None
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
         self._closing = threading.Event()
@@ -76,7 +78,8 @@ class Database:
     def read(self, *, snapshot: bool = False) -> Iterator[sqlite3.Connection]:
         """This thread's read connection; ``snapshot=True`` wraps the block in one read transaction
         so several statements see the same committed state."""
-        if self.path == ":memory:":  # one connection is the only view of an in-memory database
+        if self.path == ":memory:" or threading.get_ident() == self._writer_thread:
+            # The lock held for the whole block: no commit lands in between, so it is a snapshot.
             with self._wlock:
                 yield self._writer
             return
@@ -93,6 +96,16 @@ class Database:
             yield conn
         finally:
             conn.execute("COMMIT")
+
+    def read_through_writer(self) -> None:
+        """From now on the calling thread reads through the writer's connection.
+
+        For the thread that makes the commits (the event loop's group commit): a connection
+        drops its page cache whenever another connection has committed since its last read,
+        so a reader of its own re-read every B-tree page it needed after each turn; the
+        writer's cache already holds them. Such reads wait for a write of another thread,
+        as this thread's commits already do."""
+        self._writer_thread = threading.get_ident()
 
     def _checkpoint_loop(self) -> None:
         conn = self._connect()

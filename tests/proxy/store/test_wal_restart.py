@@ -42,3 +42,52 @@ def test_steady_commits_rewind_the_wal_and_keep_it_small(tmp_path):
             assert c.execute("SELECT count(*), sum(length(v)) FROM t").fetchone() == (n, written)
     finally:
         db.close()
+
+
+def test_the_committing_thread_reads_through_the_writer_and_never_sees_uncommitted_rows(tmp_path):
+    """``read_through_writer``: the thread that commits reads through the writer's connection
+    (its page cache is warm); a write another thread holds open is waited for, never read."""
+    import threading
+
+    db = Database(str(tmp_path / "s.sqlite"))
+    try:
+        with db.write() as c:
+            c.execute("CREATE TABLE t (k INTEGER PRIMARY KEY)")
+            c.execute("INSERT INTO t VALUES (1)")
+        with db.read() as c:
+            assert c.total_changes == 0  # a reader's own connection: it changed nothing
+        db.read_through_writer()
+        with db.read() as c:
+            assert c.total_changes > 0 and c.execute("SELECT count(*) FROM t").fetchone() == (1,)
+
+        inside, release = threading.Event(), threading.Event()
+
+        def rolled_back_write() -> None:
+            try:
+                with db.write() as w:
+                    w.execute("INSERT INTO t VALUES (2)")
+                    inside.set()
+                    release.wait(10)
+                    raise RuntimeError("rolled back")
+            except RuntimeError:
+                pass
+
+        other = threading.Thread(target=rolled_back_write)
+        other.start()
+        assert inside.wait(10)
+        threading.Timer(0.2, release.set).start()
+        with db.read() as c:  # waits for the other thread's transaction instead of reading into it
+            assert c.execute("SELECT count(*) FROM t").fetchone() == (1,)
+        other.join(10)
+        seen: list = []
+
+        def read_elsewhere() -> None:
+            with db.read() as c:
+                seen.append(c.total_changes)
+
+        reader = threading.Thread(target=read_elsewhere)
+        reader.start()
+        reader.join(10)
+        assert seen == [0]  # other threads keep their own connections
+    finally:
+        db.close()
