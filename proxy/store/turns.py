@@ -88,6 +88,9 @@ class TurnTable:
         # turn id -> role: written once, read for every next turn's parent; the column sits at the
         # end of a wide row, past its token arrays' overflow pages
         self._roles = LRU(65536, sized=False)
+        # turn id -> (seq, n_prompt), written once: the next spliced turn finds its parent's ids
+        # in ``_full_ids`` without a query
+        self._places = LRU(65536, sized=False)
         self._sampling_ids: dict[bytes, int] = {}  # committed samplings rows: a turn's record is usually one of a few
         self.group = GroupCommit(db)
 
@@ -235,6 +238,7 @@ class TurnTable:
             # Only after COMMIT: a rolled-back seq may be reused by another turn.
             self._full_ids.put(done["seq"], np.concatenate([prompt, out]))
             self._roles.put(turn.turn_id, turn.role)
+            self._places.put(turn.turn_id, (done["seq"], len(prompt)))
             if done["resp_seq"] is not None:
                 self.responses.remember(done["resp_seq"], response.conversation)
 
@@ -366,13 +370,15 @@ class TurnTable:
     def ids(self, turn_id: str) -> tuple[np.ndarray, np.ndarray] | None:
         """(prompt ids, output ids) of a turn: what the next spliced turn builds on. Read-only
         int32 views of the cached sequence: no per-token copy, however long the session."""
+        place = self._places.get(turn_id)
+        full = None if place is None else self._full_ids.get(place[0])
+        if full is not None:
+            return _halves(full, place[1])
         with self.db.read() as c:
             row = c.execute("SELECT seq, n_prompt FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
             if row is None:
                 return None
-            full = self._full_sequence(c, row[0]).view()
-            full.flags.writeable = False
-            return full[: row[1]], full[row[1] :]
+            return _halves(self._full_sequence(c, row[0]), row[1])
 
     def first_of_role(self, session_id: str, role: str) -> tuple[str, dict] | None:
         """``(turn_id, requested_sampling)`` of the session's first turn of ``role``: what
@@ -525,6 +531,12 @@ class TurnTable:
             self._full_ids.put(seq, np.concatenate([prompt, unpack_i32(row[9])]))
             result.append(row_record(row, prompt))
         return result
+
+
+def _halves(full: np.ndarray, n_prompt: int) -> tuple[np.ndarray, np.ndarray]:
+    full = full.view()
+    full.flags.writeable = False
+    return full[:n_prompt], full[n_prompt:]
 
 
 def _in_i32(values: list) -> bool:

@@ -232,3 +232,24 @@ def test_turn_index_assigned_in_the_commit(store, make_turn):
     second = store.turns.add(dataclasses.replace(make_turn("nx", 0, [1, 2, 3, 4], [5], turn_id="nx-b"), index=-1))
     assert (first.index, second.index) == (0, 1)
     assert [t.index for t in store.turns.list("nx")] == [0, 1]
+
+
+def test_ids_kept_at_commit_equal_the_stored_ones(tmp_path, make_turn):
+    """``ids`` of a turn this process committed skips the query; a reopened store (nothing
+    kept) and a kept place whose ids were evicted read the same arrays from the file, and a
+    turn whose commit failed leaves nothing behind."""
+    path = str(tmp_path / "s.sqlite")
+    store = Store(path)
+    store.sessions.upsert("s")
+    store.turns.add(make_turn("s", 0, [1, 2, 3], [4, 5]))
+    store.turns.add(make_turn("s", 1, [1, 2, 3, 4, 5, 6, 7], [8, 9], parent="s-t0"))
+    with pytest.raises(Exception):
+        store.turns.add(make_turn("s", 2, [1, 2], [3], turn_id="s-t1"))  # a duplicate id: rolled back
+    kept = {t: [x.tolist() for x in store.turns.ids(t)] for t in ("s-t0", "s-t1")}
+    assert kept == {"s-t0": [[1, 2, 3], [4, 5]], "s-t1": [[1, 2, 3, 4, 5, 6, 7], [8, 9]]}
+    store.turns._full_ids.pop(store.turns._places.get("s-t1")[0])
+    assert [x.tolist() for x in store.turns.ids("s-t1")] == kept["s-t1"]
+    store.close()
+    reopened = Store(path)
+    assert {t: [x.tolist() for x in reopened.turns.ids(t)] for t in kept} == kept
+    reopened.close()
