@@ -4,9 +4,15 @@ from unittest import mock
 
 import httpx
 import respx.mocks
+from hypothesis import settings
 from respx.mocks import HTTPCoreMocker
 
 from engines.http_transport import EngineTransport
+
+# Property tests check values, not time (speed is for the benchmarks): hypothesis' default
+# 200 ms deadline per example failed a round-trip test when the machine stalled for 2 s.
+settings.register_profile("splice", deadline=None)
+settings.load_profile("splice")
 
 
 class _HttpxReply:

@@ -8,8 +8,8 @@ the last committed state without taking the writer's lock (except the thread tha
 turns, which reads through the writer's warm cache: ``read_through_writer``). That is what keeps the request
 path (lookups on the event loop) and bulk reads (sample assembly for a pull, in a worker
 thread) from ever stalling each other or a turn's commit. WAL checkpoints run in a background
-thread (``_checkpoint``: PASSIVE, then the last frames under the write lock so the WAL starts
-over instead of growing under steady load).
+thread (``_checkpoint``: PASSIVE; past 16 MiB, the last frames under the write lock, so the WAL
+starts over instead of growing under steady load).
 """
 
 from __future__ import annotations
@@ -25,16 +25,25 @@ from . import schema
 
 # At most this many WAL frames (pages) are left for the checkpoint pass that holds the write lock.
 CHECKPOINT_LOCKED_FRAMES = 256
+# A WAL this long (frames: 16 MiB of 1 KiB pages) is started over even under steady load.
+RESTART_FRAMES = 16384
 
 
 class Database:
     def __init__(
-        self, path: str, *, synchronous: str = "NORMAL", page_size: int = 1024, checkpoint_interval_s: float = 1.0
+        self,
+        path: str,
+        *,
+        synchronous: str = "NORMAL",
+        page_size: int = 1024,
+        checkpoint_interval_s: float = 1.0,
+        restart_frames: int = RESTART_FRAMES,
     ):
         if synchronous.upper() not in ("NORMAL", "FULL", "EXTRA"):
             raise ValueError("synchronous must be NORMAL, FULL or EXTRA (OFF would lose committed turns)")
         self.path = path
         self.checkpoint_interval_s = checkpoint_interval_s
+        self.restart_frames = restart_frames
         if path != ":memory:" and os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
         self._wlock = threading.RLock()
@@ -119,17 +128,19 @@ class Database:
             conn.close()
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        """Copy the WAL into the database so that the next commit starts the WAL over.
+        """Copy the WAL into the database; once it is long, so that the next commit starts it over.
 
         SQLite starts the WAL over only at a commit that finds it fully copied. Under a steady
         stream of commits a PASSIVE checkpoint never gets there: commits append while it
         copies, so the WAL grew for as long as the load lasted (a GB in seconds of small
-        commits). So passes copy without blocking anyone while each finds fewer new frames,
-        and the last few are copied holding the write lock, so none can follow them (about a
-        millisecond, once per interval). A reader still on old frames only delays the restart.
+        commits). Past ``restart_frames`` frames, passes copy without blocking anyone while each
+        finds fewer new frames, and the last few are copied holding the write lock, so none can
+        follow them. That pass ends in an fsync of the database, which commits then wait for: a
+        millisecond on a local SSD, hence only once per ``restart_frames`` frames, not each
+        interval. A reader still on old frames only delays the restart to a later round.
         """
         _, frames, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        if frames <= 0:
+        if frames < self.restart_frames:
             return
         for _ in range(4):  # the frames commits appended during the last pass
             _, now, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()

@@ -175,8 +175,7 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
             delta = chunk.choices[0].delta.model_dump() if chunk.choices else {}
             if delta.get("content") or delta.get("reasoning_content"):  # a random model may think first
                 n += 1
-                if n >= 2:
-                    seen.set()
+                seen.set()
         result["chunks"] = n
 
     def post(path: str, body=None) -> httpx.Response:
@@ -186,8 +185,9 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
 
     # vLLM can finish all 400 tokens before the client has read two of them: then the pause finds
     # nothing in flight. Such an attempt resumes without touching the weights and starts over, so
-    # the update below always lands on a generation the proxy is holding mid-way.
-    for _attempt in range(6):
+    # the update below always lands on a generation the proxy is holding mid-way. On a loaded
+    # machine (CI runs this tier beside the main suite) the client reads late, so several may.
+    for _attempt in range(12):
         sid, seen, result = "live-r1-" + uuid.uuid4().hex[:8], threading.Event(), {}
         th = threading.Thread(target=run_stream, args=(sid, seen, result))
         th.start()
@@ -203,7 +203,7 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
         post("/admin/resume")
         th.join(300)
     else:
-        raise AssertionError("the pause never landed mid-generation in 6 attempts")
+        raise AssertionError("the pause never landed mid-generation in 12 attempts")
     post("/admin/update_weights", {"model_path": str(models[1]), "version": 1})
     post("/admin/resume")
     TIMINGS["pause_reload_resume_s"] = time.monotonic() - t0

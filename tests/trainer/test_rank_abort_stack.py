@@ -52,7 +52,7 @@ dist = distributed.setup("cpu")
 distributed.teardown(dist)
 held = distributed._LAST_WORK
 assert len(held) == 1 and held[0].is_completed(), held
-print("held", type(held[0]).__name__)
+print(f"held {type(held[0]).__name__}")  # one string: the two ranks share the pipe, unbuffered
 '''
 
 
