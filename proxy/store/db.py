@@ -1,13 +1,13 @@
-"""The store's one concurrency model: a single writer, and readers that never wait for it.
+"""The store's one concurrency model: a single writer, and readers in other threads that never wait for it.
 
 Writes go through ``write()``: one connection, one lock, one ``BEGIN IMMEDIATE`` transaction
 per call, committed before it returns (WAL mode; with ``synchronous=NORMAL`` a commit survives
 ``kill -9`` of the proxy, only a power loss can drop the last ones; ``FULL`` fsyncs each).
 Reads go through ``read()``: every thread gets its own connection, so in WAL mode a read sees
-the last committed state without taking the writer's lock (except the thread that commits the
-turns, which reads through the writer's warm cache: ``read_through_writer``). That is what keeps the request
-path (lookups on the event loop) and bulk reads (sample assembly for a pull, in a worker
-thread) from ever stalling each other or a turn's commit. WAL checkpoints run in a background
+the last committed state without taking the writer's lock. That is what keeps bulk reads
+(sample assembly for a pull, in a worker thread) from ever stalling a turn's commit or the
+request path. The thread that commits the turns (the event loop) reads through the writer's
+warm cache instead: ``read_through_writer``. WAL checkpoints run in a background
 thread (``_checkpoint``: PASSIVE; past 16 MiB, the last frames under the write lock, so the WAL
 starts over instead of growing under steady load).
 """
