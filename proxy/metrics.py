@@ -32,6 +32,7 @@ class Counter(_Labelled, _Counter):
 class Histogram(_Labelled, _Histogram):
     pass
 
+
 class _HistoryReuse:
     """``splice_history_reuse_total{kind}``, read from the app's ``HistoryMemo`` when scraped:
     requests that reused their conversation's last request, its conversion (``conversion``) or

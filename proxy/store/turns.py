@@ -85,12 +85,10 @@ class TurnTable:
         self.responses = responses
         self.clock = clock
         self._full_ids = LRU(4_000_000)  # turn seq -> prompt+output ids (int32 array)
-        # turn id -> role: written once, read for every next turn's parent; the column sits at the
-        # end of a wide row, past its token arrays' overflow pages
-        self._roles = LRU(65536, sized=False)
-        # turn id -> (seq, n_prompt), written once: the next spliced turn finds its parent's ids
-        # in ``_full_ids`` without a query
-        self._places = LRU(65536, sized=False)
+        # turn id -> (seq, n_prompt, role), written once, read for every next turn's parent: its
+        # ids are found in ``_full_ids`` without a query, and its role without reading a wide row
+        # (the column sits past its token arrays' overflow pages)
+        self._known = LRU(65536, sized=False)
         self._sampling_ids: dict[bytes, int] = {}  # committed samplings rows: a turn's record is usually one of a few
         self.group = GroupCommit(db)
 
@@ -237,8 +235,7 @@ class TurnTable:
                 self._sampling_ids[bytes(memoryview(sampling))] = done["sampling_id"]
             # Only after COMMIT: a rolled-back seq may be reused by another turn.
             self._full_ids.put(done["seq"], np.concatenate([prompt, out]))
-            self._roles.put(turn.turn_id, turn.role)
-            self._places.put(turn.turn_id, (done["seq"], len(prompt)))
+            self._known.put(turn.turn_id, (done["seq"], len(prompt), turn.role))
             if done["resp_seq"] is not None:
                 self.responses.remember(done["resp_seq"], response.conversation)
 
@@ -370,15 +367,13 @@ class TurnTable:
     def ids(self, turn_id: str) -> tuple[np.ndarray, np.ndarray] | None:
         """(prompt ids, output ids) of a turn: what the next spliced turn builds on. Read-only
         int32 views of the cached sequence: no per-token copy, however long the session."""
-        place = self._places.get(turn_id)
-        full = None if place is None else self._full_ids.get(place[0])
+        known = self._known.get(turn_id)
+        full = None if known is None else self._full_ids.get(known[0])
         if full is not None:
-            return _halves(full, place[1])
+            return _halves(full, known[1])
         with self.db.read() as c:
-            row = c.execute("SELECT seq, n_prompt FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
-            if row is None:
-                return None
-            return _halves(self._full_sequence(c, row[0]), row[1])
+            known = self._look_up(c, turn_id)
+            return None if known is None else _halves(self._full_sequence(c, known[0]), known[1])
 
     def first_of_role(self, session_id: str, role: str) -> tuple[str, dict] | None:
         """``(turn_id, requested_sampling)`` of the session's first turn of ``role``: what
@@ -392,15 +387,18 @@ class TurnTable:
         return None if row is None else (row[0], orjson.loads(row[1]))
 
     def role_of(self, turn_id: str) -> str | None:
-        role = self._roles.get(turn_id)
-        if role is not None:
-            return role
-        with self.db.read() as c:
-            row = c.execute("SELECT role FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
-        if row is None:
-            return None
-        self._roles.put(turn_id, row[0])
-        return row[0]
+        known = self._known.get(turn_id)
+        if known is None:
+            with self.db.read() as c:
+                known = self._look_up(c, turn_id)
+        return None if known is None else known[2]
+
+    def _look_up(self, c, turn_id: str) -> tuple[int, int, str] | None:
+        """``(seq, n_prompt, role)`` of a turn from its row, kept in ``_known``."""
+        row = c.execute("SELECT seq, n_prompt, role FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
+        if row is not None:
+            self._known.put(turn_id, tuple(row))
+        return row
 
     def latest_summary(self, session_id: str) -> str | None:
         """The id of the session's latest compaction summary turn (``requested_sampling.compaction``)."""

@@ -247,7 +247,7 @@ def test_ids_kept_at_commit_equal_the_stored_ones(tmp_path, make_turn):
         store.turns.add(make_turn("s", 2, [1, 2], [3], turn_id="s-t1"))  # a duplicate id: rolled back
     kept = {t: [x.tolist() for x in store.turns.ids(t)] for t in ("s-t0", "s-t1")}
     assert kept == {"s-t0": [[1, 2, 3], [4, 5]], "s-t1": [[1, 2, 3, 4, 5, 6, 7], [8, 9]]}
-    store.turns._full_ids.pop(store.turns._places.get("s-t1")[0])
+    store.turns._full_ids.pop(store.turns._known.get("s-t1")[0])
     assert [x.tolist() for x in store.turns.ids("s-t1")] == kept["s-t1"]
     store.close()
     reopened = Store(path)
