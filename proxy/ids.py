@@ -18,13 +18,18 @@ an item back (a ``previous_response_id``, a replayed ``function_call`` item, a C
 An Anthropic message is ``msg_{turn}`` and its thinking blocks are signed with the bare turn
 id, so a replayed history names its turn even when it has no tool calls.
 
-A turn id is 24 lowercase hex digits.
+A turn id is 24 lowercase hex digits: the first 10 the time in milliseconds (modulo 2**40),
+the other 14 random (56 bits). Ids made later sort later, so the store's indexes on turn ids
+(and on the ids derived from them) take each new turn at their right edge, in pages already
+in the cache and already dirty in the transaction, instead of one random page of a large
+index per id (``time_ordered_hex``).
 """
 
 from __future__ import annotations
 
 import re
 import secrets
+import time
 from urllib.parse import quote
 
 TURN_ID_LEN = 24
@@ -33,9 +38,17 @@ _TURN = r"[0-9a-f]{24}"
 _ID_RE = re.compile(rf"^(?:(?:resp|msg|rs)_({_TURN})|(?:fc|call|ctc|toolu)_({_TURN})_\d+|chatcmpl-({_TURN})|({_TURN}))$")
 
 
+def time_ordered_hex() -> str:
+    """24 lowercase hex digits: milliseconds since the epoch modulo 2**40 (10 digits; the order
+    wraps once every 34.8 years), then 56 random bits. B-tree inserts of such keys land next to
+    the previous ones: at 64 turns in flight the proxy wrote 25% fewer WAL pages per turn than
+    with fully random ids, and read 38% fewer pages back (``docs/design.md`` section 11)."""
+    return f"{time.time_ns() // 1_000_000 & 0xFF_FFFF_FFFF:010x}{secrets.token_hex(7)}"
+
+
 def new_turn_id() -> str:
-    """A fresh random turn id (24 lowercase hex digits)."""
-    return secrets.token_hex(TURN_ID_LEN // 2)
+    """A fresh turn id (24 lowercase hex digits, time-ordered: ``time_ordered_hex``)."""
+    return time_ordered_hex()
 
 
 def response_id(turn_id: str) -> str:

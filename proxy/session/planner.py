@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -48,6 +47,7 @@ from tokenization.bridge import as_list
 from tokenization.conversation import HistoryHash, HistoryHashes
 from tokenization.vision import ImageError
 
+from ..ids import time_ordered_hex
 from ..store.images import ImageRef
 from .images import place
 from .roles import compaction_kind
@@ -144,7 +144,8 @@ def keeps_edits(req: TurnRequest) -> bool:
 
 
 def new_session_id() -> str:
-    return "sess_" + uuid.uuid4().hex[:24]
+    """``sess_`` and 24 time-ordered hex digits: the sessions table's key index grows at its end."""
+    return "sess_" + time_ordered_hex()
 
 
 class RenderError(Exception):

@@ -34,6 +34,25 @@ def test_ids_roundtrip():
     assert new_turn_id() != new_turn_id()
 
 
+def test_turn_and_session_ids_sort_by_time_and_stay_unguessable():
+    """Later ids sort later (the store's indexes grow at their end); 56 bits stay random."""
+    import time
+
+    from proxy.session.planner import new_session_id
+
+    made = []
+    for _ in range(3):
+        made.append((new_turn_id(), new_session_id()))
+        time.sleep(0.002)
+    turns, sessions = [t for t, _ in made], [s for _, s in made]
+    assert turns == sorted(turns) and len(set(turns)) == 3
+    assert sessions == sorted(sessions) and all(s.startswith("sess_") and len(s) == 29 for s in sessions)
+    now_ms = time.time_ns() // 1_000_000 & (2**40 - 1)
+    assert abs(int(turns[-1][:10], 16) - now_ms) < 5_000  # the head is the clock, in milliseconds
+    same_ms = {new_turn_id()[10:] for _ in range(64)}  # the tail is random, even within a millisecond
+    assert len(same_ms) == 64
+
+
 def test_items_merge_into_one_assistant_message():
     t = new_turn_id()
     items = [
