@@ -214,8 +214,9 @@ def bench_store(args) -> dict:
                     api="chat",
                     response_id=f"resp_{tid}",
                 ),
-                # what the session layer writes per turn: 3 history hashes, global and session-scoped
-                fingerprints=[rng.randbytes(12) for _ in range(6)],
+                # what the session layer writes per turn: the history's hash, global and
+                # session-scoped, each with the request's tools + kwargs digest
+                fingerprints=[(rng.randbytes(12), b"v" * 16) for _ in range(2)],
             )
             gen_tokens += len(out)
             prompt_tokens_logical += len(prompt)

@@ -58,13 +58,15 @@ class Candidate(Protocol):
     turn_id: str
     session_id: str
     continued: bool  # a later turn already continues it
+    variant: bytes | None  # the tools and kwargs it was asked with (``variant``); None: stored before schema 6
 
 
 class TurnLookup(Protocol):
     """What the planner reads from storage."""
 
-    def candidates(self, fingerprint: bytes) -> Sequence[Candidate]:
-        """Recorded turns whose answer a history with this fingerprint ends with, most recent first."""
+    def candidates(self, fingerprint: bytes, variant: bytes | None = None) -> Sequence[Candidate]:
+        """Recorded turns whose answer a history with this fingerprint ends with, most recent
+        first; given a ``variant``, the rows with that variant first, then those with its tools."""
 
     def turn_ids(self, turn_id: str) -> tuple[Sequence[int], Sequence[int]] | None:
         """(prompt ids, output ids) of a recorded turn (int32 arrays from the store)."""
@@ -105,11 +107,26 @@ class Plan:
 
 
 def fingerprint_keys(hashed: HistoryHash, req: TurnRequest) -> tuple[str, str, str]:
-    """Fingerprints of a history: exact (tools + template kwargs), without kwargs, messages only."""
+    """Fingerprints of a history: exact (tools + template kwargs), without kwargs, messages only.
+    Stores before schema 6 hold a row per key; a turn is now stored under the last one only, with
+    its ``variant`` beside it."""
     msgs = hashed.hexdigest()
     tools = req.tools_key
-    kwargs = repr(sorted((req.chat_template_kwargs or {}).items()))
+    kwargs = _kwargs_key(req)
     return f"x:{tools}:{kwargs}:{msgs}", f"t:{tools}:{msgs}", f"m:{msgs}"
+
+
+def _kwargs_key(req: TurnRequest) -> str:
+    return repr(sorted((req.chat_template_kwargs or {}).items()))
+
+
+def variant(req: TurnRequest) -> bytes:
+    """What a fingerprint row keeps beside the history's digest: 8 bytes for the tools, 8 for the
+    template kwargs. One row per scope then says which of the three ways a turn matches a
+    request (same tools and kwargs, same tools only, history only), where three rows did."""
+    return hashlib.blake2b(f"t:{req.tools_key}".encode(), digest_size=8).digest() + hashlib.blake2b(
+        f"k:{_kwargs_key(req)}".encode(), digest_size=8
+    ).digest()
 
 
 def digest(key: str, session_id: str | None = None) -> bytes:
@@ -122,7 +139,7 @@ def edit_keys(hashed: HistoryHash, req: TurnRequest) -> list[tuple[tuple[str, ..
     """Edit-tolerant fingerprints (``keep`` policy): first with the same tools, then with any
     tools (the edit ``tools``); template kwargs must still match."""
     tools = req.tools_key
-    kwargs = repr(sorted((req.chat_template_kwargs or {}).items()))
+    kwargs = _kwargs_key(req)
     forms = hashed.edit_hexdigests()
     if not forms:
         return []
@@ -131,12 +148,18 @@ def edit_keys(hashed: HistoryHash, req: TurnRequest) -> list[tuple[tuple[str, ..
     return same + anytools
 
 
-def answer_fingerprints(hashed: HistoryHash, req: TurnRequest, answer: Message, session_id: str) -> list[bytes]:
-    """What a committed turn is found by: the history it was asked with plus its answer (and,
-    for a request under the ``keep`` policy, its edit-tolerant forms)."""
+def answer_fingerprints(
+    hashed: HistoryHash, req: TurnRequest, answer: Message, session_id: str
+) -> list[tuple[bytes, bytes | None]]:
+    """What a committed turn is found by, as (fingerprint, variant) rows: the history it was asked
+    with plus its answer, unscoped and scoped to its session (and, for a request under the
+    ``keep`` policy, its edit-tolerant forms, which carry their tools and kwargs in the key)."""
     full = hashed.copy().extend([answer])
-    keys = list(fingerprint_keys(full, req)) + [k for _, k in edit_keys(full, req)]
-    return [*(digest(k) for k in keys), *(digest(k, session_id) for k in keys)]
+    m = fingerprint_keys(full, req)[2]
+    v = variant(req)
+    edits = [k for _, k in edit_keys(full, req)]
+    return [(digest(m), v), (digest(m, session_id), v), *((digest(k), None) for k in edits),
+            *((digest(k, session_id), None) for k in edits)]  # fmt: skip
 
 
 def keeps_edits(req: TurnRequest) -> bool:
@@ -187,11 +210,23 @@ def _choose(cands: Sequence[Candidate], lookup: TurnLookup, hint: str | None) ->
     return (free or cands[0]), len(cands) > 1
 
 
-def _find(keys: Sequence[str], req: TurnRequest, lookup: TurnLookup) -> tuple[Candidate | None, str | None, bool]:
-    """The matching turn, the fork reason its key implies, and whether the match was ambiguous."""
-    reasons = (None, "template_kwargs_changed", "tools_changed")
-    for key, reason in zip(keys, reasons):
-        found, ambiguous = _choose(lookup.candidates(digest(key, req.session_id)), lookup, req.parent_hint)
+def _find(hashed: HistoryHash, req: TurnRequest, lookup: TurnLookup) -> tuple[Candidate | None, str | None, bool]:
+    """The matching turn, the fork reason its match implies, and whether the match was ambiguous.
+
+    One lookup by the history's digest; each row's ``variant`` says how it matches. A row stored
+    before schema 6 has none: the per-key rows stored with it (exact, same tools) say instead."""
+    exact_key, tools_key, history_key = fingerprint_keys(hashed, req)
+    want = variant(req)
+    rows = lookup.candidates(digest(history_key, req.session_id), want)
+    exact_old: set[str] = set()
+    tools_old: set[str] = set()
+    if any(r.variant is None for r in rows):
+        exact_old = {c.turn_id for c in lookup.candidates(digest(exact_key, req.session_id))}
+        tools_old = {c.turn_id for c in lookup.candidates(digest(tools_key, req.session_id))}
+    exact = [r for r in rows if (r.turn_id in exact_old if r.variant is None else r.variant == want)]
+    same_tools = [r for r in rows if (r.turn_id in tools_old if r.variant is None else r.variant[:8] == want[:8])]
+    for cands, reason in ((exact, None), (same_tools, "template_kwargs_changed"), (rows, "tools_changed")):
+        found, ambiguous = _choose(cands, lookup, req.parent_hint)
         if found is not None:
             return found, reason, ambiguous
     return None, None, False
@@ -214,7 +249,7 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
         return _restart(req, lookup, fmt, fork)
     if last_asst < 0:  # a first turn (or a fresh attempt in an explicit session)
         return fork(explicit, None, None)
-    found, reason, ambiguous = _find(fingerprint_keys(hh, req), req, lookup)
+    found, reason, ambiguous = _find(hh, req, lookup)
     edits: tuple[str, ...] = ()
     if found is None and hh.edits:
         for names, key in edit_keys(hh, req):
@@ -224,7 +259,7 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
                 break
     if found is None:  # recorded by a release that hashed histories with BLAKE2b (HistoryHash)?
         legacy = HistoryHash(legacy=True).extend(msgs[: last_asst + 1])
-        found, reason, ambiguous = _find(fingerprint_keys(legacy, req), req, lookup)
+        found, reason, ambiguous = _find(legacy, req, lookup)
     if reason == "tools_changed" and keeps_edits(req):  # the tool list is not what keep / a compaction forks on
         reason, edits = None, ("tools",)
     if found is None:

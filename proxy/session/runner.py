@@ -66,8 +66,8 @@ class StoreLookup:
         self.store = store
         self.inflight_parents: dict[str, int] = {}
 
-    def candidates(self, fingerprint: bytes):
-        return self.store.turns.candidates(fingerprint)
+    def candidates(self, fingerprint: bytes, variant: bytes | None = None):
+        return self.store.turns.candidates(fingerprint, variant)
 
     def turn_ids(self, turn_id: str):
         return self.store.turns.ids(turn_id)

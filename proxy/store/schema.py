@@ -6,7 +6,7 @@ import sqlite3
 
 from .errors import StoreError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -86,10 +86,14 @@ CREATE TABLE IF NOT EXISTS item_ids (
 ) WITHOUT ROWID;
 
 -- History fingerprints -> the turns whose answer they end with. Several turns may share one
--- (sessions of a group that sampled the same answer): the planner chooses among them.
+-- (sessions of a group that sampled the same answer): the planner chooses among them. A turn
+-- has one row per scope (unscoped, its session); `variant` says which tools and template
+-- kwargs it was asked with (proxy.session.planner.variant). Rows stored before schema 6 have
+-- none: those turns have a row per key instead (exact, same tools, history only).
 CREATE TABLE IF NOT EXISTS fingerprints (
     fp       BLOB NOT NULL,
     turn_seq INTEGER NOT NULL,
+    variant  BLOB,
     PRIMARY KEY (fp, turn_seq)
 ) WITHOUT ROWID;
 
@@ -158,7 +162,14 @@ def _v4_to_v5(c: sqlite3.Connection) -> None:
     c.execute("ALTER TABLE turns ADD COLUMN role TEXT NOT NULL DEFAULT 'main'")
 
 
-_MIGRATIONS = {2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
+def _v5_to_v6(c: sqlite3.Connection) -> None:
+    """Fingerprint rows keep the tools and kwargs they were asked with: a turn is stored under
+    two rows instead of six. Earlier rows stay as they are (no variant) and are still found."""
+    if "variant" not in [r[1] for r in c.execute("PRAGMA table_info(fingerprints)")]:  # v2 -> v3 made it anew
+        c.execute("ALTER TABLE fingerprints ADD COLUMN variant BLOB")
+
+
+_MIGRATIONS = {2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5, 5: _v5_to_v6}
 
 
 class SchemaError(StoreError):

@@ -22,7 +22,9 @@ import numpy as np
 import orjson
 
 from .db import Database
+from . import fingerprints as fingerprints_
 from .errors import Conflict, NotFound
+from .fingerprints import Candidate
 from .group_commit import GroupCommit
 from .images import StoredImage, pack_refs, write_images
 from .lru import LRU
@@ -67,15 +69,6 @@ class TurnWrite(NamedTuple):
 
     write: Callable[[sqlite3.Connection], None]
     committed: Callable[[], None]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A recorded turn whose answer a request's history ends with."""
-
-    turn_id: str
-    session_id: str
-    continued: bool  # some later turn already continues it
 
 
 class TurnTable:
@@ -130,7 +123,7 @@ class TurnTable:
         self,
         turn: TurnRecord,
         *,
-        fingerprints: Sequence[bytes] = (),
+        fingerprints: Sequence[bytes | tuple[bytes, bytes | None]] = (),
         response: StoredResponse | None = None,
         session_fields: dict | None = None,
         new_images: Sequence[StoredImage] = (),
@@ -224,9 +217,7 @@ class TurnTable:
             if turn.images:
                 c.execute("INSERT INTO turn_images (turn_seq, refs) VALUES (?, ?)", (seq, pack_refs(turn.images)))
             if fingerprints:
-                c.executemany(
-                    "INSERT OR IGNORE INTO fingerprints (fp, turn_seq) VALUES (?, ?)", [(fp, seq) for fp in fingerprints]
-                )
+                fingerprints_.insert(c, seq, fingerprints)
             resp_seq = self.responses.insert(c, response, turn.session_id, turn.turn_id) if response is not None else None
             done.update(seq=seq, resp_seq=resp_seq, sampling_id=sampling_id)
 
@@ -449,15 +440,10 @@ class TurnTable:
                 full[seq] = np.concatenate([prompt, unpack_i32(output_ids)])
             yield row_tokens(row, prompt)
 
-    def candidates(self, fingerprint: bytes, limit: int = 64) -> list[Candidate]:
-        """Recorded turns a history fingerprint leads to, most recent first."""
+    def candidates(self, fingerprint: bytes, variant: bytes | None = None, limit: int = 64) -> list[Candidate]:
+        """Recorded turns a history fingerprint leads to (``fingerprints.candidates``)."""
         with self.db.read() as c:
-            rows = c.execute(
-                "SELECT t.turn_id, t.session_id, EXISTS (SELECT 1 FROM turns k WHERE k.parent_turn_id = t.turn_id) "
-                "FROM fingerprints f JOIN turns t ON t.seq = f.turn_seq WHERE f.fp = ? ORDER BY t.seq DESC LIMIT ?",
-                (fingerprint, limit),
-            ).fetchall()
-        return [Candidate(tid, sid, bool(cont)) for tid, sid, cont in rows]
+            return fingerprints_.candidates(c, fingerprint, variant, limit)
 
     def owed(self, version: int) -> list[TurnRecord]:
         """Turns of not-yet-acked sessions holding tokens of ``version - 1`` with no proximal value yet (R2)."""

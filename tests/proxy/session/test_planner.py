@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from proxy.session.planner import answer_fingerprints, plan
+from proxy.session.planner import answer_fingerprints, digest, fingerprint_keys, plan
 from proxy.session.turn import TurnRequest
 from tokenization import ChatFormat, Message, Tool, load_tokenizer, qwen3_tokenizer_dir
 
@@ -19,6 +19,7 @@ class Cand:
     turn_id: str
     session_id: str
     continued: bool = False
+    variant: bytes | None = None
 
 
 @dataclass
@@ -30,8 +31,8 @@ class MemoryLookup:
     sessions: dict[str, str] = field(default_factory=dict)  # turn -> session
     claims: set[str] = field(default_factory=set)
 
-    def candidates(self, fingerprint):
-        return list(reversed(self.fps.get(fingerprint, [])))  # most recent first
+    def candidates(self, fingerprint, variant=None):
+        return list(reversed(self.fps.get(fingerprint, [])))  # most recent first (the planner sorts by variant)
 
     def turn_ids(self, turn_id):
         return self.ids.get(turn_id)
@@ -49,8 +50,8 @@ class MemoryLookup:
         for c in (c for cands in self.fps.values() for c in cands if c.turn_id == p.parent_turn_id):
             c.continued = True
         hashed = p.history_hash.copy().extend(req.messages[p.hashed :])
-        for fp in answer_fingerprints(hashed, req, answer, p.session_id):
-            self.fps.setdefault(fp, []).append(Cand(turn_id, p.session_id))
+        for fp, variant in answer_fingerprints(hashed, req, answer, p.session_id):
+            self.fps.setdefault(fp, []).append(Cand(turn_id, p.session_id, variant=variant))
         self.ids[turn_id] = (p.prompt_ids, output_ids)
         self.sessions[turn_id] = p.session_id
 
@@ -181,6 +182,48 @@ def test_a_splice_id_in_the_history_names_its_turn(fmt):
     assert p.spliced and p.parent_turn_id == "a" and not p.ambiguous
 
 
+def _pre_v6_fingerprints(hashed, req, answer, session_id) -> list[bytes]:
+    """The rows a store before schema 6 held for a turn: one per key (exact, same tools, history
+    only), unscoped and scoped, with no variant."""
+    keys = fingerprint_keys(hashed.copy().extend([answer]), req)
+    return [*(digest(k) for k in keys), *(digest(k, session_id) for k in keys)]
+
+
+def test_one_fingerprint_row_per_scope(fmt):
+    lookup = MemoryLookup()
+    p, _ = _first_turn(fmt, lookup, tools=[TOOL], kwargs={"enable_thinking": False})
+    rows = answer_fingerprints(p.history_hash.copy(), _req([USER], tools=[TOOL], kwargs={"enable_thinking": False}), ANSWER, p.session_id)
+    assert len(rows) == 2 and rows[0][1] == rows[1][1] and len(rows[0][1]) == 16 and rows[0][0] != rows[1][0]
+
+
+@pytest.mark.parametrize(
+    "tools, kwargs, expect",
+    [([TOOL], None, (True, None)), ([TOOL], {"enable_thinking": False}, (False, "template_kwargs_changed")),
+     ([], None, (False, "tools_changed"))],
+)  # fmt: skip
+def test_a_turn_stored_before_schema_6_matches_as_it_did(fmt, tools, kwargs, expect):
+    """Its rows have no variant: the exact and same-tools rows stored with it classify it."""
+    lookup = MemoryLookup()
+    req0 = _req([USER], tools=[TOOL])
+    p0 = plan(req0, lookup, fmt)
+    out = fmt.tokenizer.encode("The answer is 3.<|im_end|>", add_special_tokens=False)
+    for fp in _pre_v6_fingerprints(p0.history_hash.copy().extend(req0.messages[p0.hashed :]), req0, ANSWER, p0.session_id):
+        lookup.fps.setdefault(fp, []).append(Cand("t0", p0.session_id))
+    lookup.ids["t0"], lookup.sessions["t0"] = (p0.prompt_ids, out), p0.session_id
+    p = plan(_req([USER, ANSWER, Message("user", "?")], tools=tools, kwargs=kwargs), lookup, fmt)
+    assert (p.spliced, p.fork_reason) == expect and p.parent_turn_id == "t0"
+
+
+def test_exact_matches_win_over_more_recent_partial_ones(fmt):
+    """Two recorded turns end the same history: the one asked with the request's tools is
+    spliced onto, though another, asked with other tools, is more recent."""
+    lookup = MemoryLookup()
+    _first_turn(fmt, lookup, tools=[TOOL], turn_id="with")
+    _first_turn(fmt, lookup, tools=[], turn_id="without")
+    p = plan(_req([USER, ANSWER, Message("user", "?")], tools=[TOOL]), lookup, fmt)
+    assert p.spliced and p.parent_turn_id == "with" and not p.ambiguous
+
+
 def test_a_turn_recorded_under_the_earlier_history_hash_is_still_continued(fmt):
     """Releases before SHA-256 stored BLAKE2b-128 history fingerprints: a header-less session
     recorded then is still found (and spliced) after the upgrade, and its next answer is stored
@@ -192,11 +235,10 @@ def test_a_turn_recorded_under_the_earlier_history_hash_is_still_continued(fmt):
     p0 = plan(req0, lookup, fmt)
     out = fmt.tokenizer.encode("The answer is 3.<|im_end|>", add_special_tokens=False)
     old = HistoryHash(legacy=True).extend(req0.messages)  # what the earlier release stored
-    for fp in answer_fingerprints(old, req0, ANSWER, p0.session_id):
+    for fp in _pre_v6_fingerprints(old, req0, ANSWER, p0.session_id):
         lookup.fps.setdefault(fp, []).append(Cand("t0", p0.session_id))
     lookup.ids["t0"], lookup.sessions["t0"] = (p0.prompt_ids, out), p0.session_id
-    assert not any(answer_fingerprints(HistoryHash().extend(req0.messages), req0, ANSWER, p0.session_id)[i] in lookup.fps
-                   for i in range(3))  # fmt: skip
+    assert not any(fp in lookup.fps for fp in _pre_v6_fingerprints(HistoryHash().extend(req0.messages), req0, ANSWER, p0.session_id))
     req1 = _req([USER, ANSWER, Message("user", "Sure?")])
     p1 = plan(req1, lookup, fmt)
     assert p1.spliced and p1.fork_reason is None and p1.parent_turn_id == "t0" and p1.session_id == p0.session_id

@@ -169,6 +169,46 @@ def test_fingerprints_name_every_matching_turn(store, make_turn):
         store.turns.add(dataclasses.replace(make_turn("b", 2, [1], [5]), response_id=make_turn("b", 1, [], []).response_id))
 
 
+def test_candidates_put_the_requested_variant_first(store, make_turn):
+    """Rows stored with the request's variant (tools + kwargs) come first, then those with its
+    tools (first 8 bytes), then the rest, each most recent first; ``limit`` keeps the best."""
+    want, same_tools, other = b"T" * 8 + b"K" * 8, b"T" * 8 + b"k" * 8, b"t" * 8 + b"K" * 8
+    order = [("a", want), ("b", other), ("c", same_tools), ("d", want), ("e", other)]
+    for sid, variant in order:
+        store.sessions.upsert(sid)
+        store.turns.add(make_turn(sid, 0, [1], [2]), fingerprints=[(b"fp", variant)])
+    got = store.turns.candidates(b"fp", want)
+    assert [(c.turn_id, c.variant) for c in got] == [
+        ("d-t0", want), ("a-t0", want), ("c-t0", same_tools), ("e-t0", other), ("b-t0", other)]  # fmt: skip
+    assert [c.turn_id for c in store.turns.candidates(b"fp", want, limit=2)] == ["d-t0", "a-t0"]
+    assert [c.turn_id for c in store.turns.candidates(b"fp")] == ["e-t0", "d-t0", "c-t0", "b-t0", "a-t0"]
+
+
+def test_a_schema_5_store_keeps_its_fingerprints(tmp_path, make_turn):
+    """Rows written before schema 6 have no variant; after the migration they are found as before."""
+    import sqlite3
+
+    from proxy.store import SCHEMA_VERSION
+
+    path = str(tmp_path / "old.sqlite")
+    with Store(path) as s:
+        s.sessions.upsert("a")
+        s.turns.add(make_turn("a", 0, [1], [2]), fingerprints=[b"x-key", b"m-key"])
+    c = sqlite3.connect(path)
+    c.execute("ALTER TABLE fingerprints DROP COLUMN variant")  # the file as Splice 5 wrote it
+    c.execute("PRAGMA user_version=5")
+    c.commit()
+    c.close()
+    with Store(path) as s:
+        assert [(x.turn_id, x.variant) for x in s.turns.candidates(b"m-key", b"V" * 16)] == [("a-t0", None)]
+        s.turns.add(make_turn("a", 1, [1, 2, 3], [4], parent="a-t0"), fingerprints=[(b"m-key", b"V" * 16)])
+        assert [(x.turn_id, x.variant, x.continued) for x in s.turns.candidates(b"m-key", b"V" * 16)] == [
+            ("a-t1", b"V" * 16, False), ("a-t0", None, True)]  # fmt: skip
+    c = sqlite3.connect(path)
+    assert c.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    c.close()
+
+
 def test_responses_delta_chain(db_path):
     store = Store(db_path)
     empty_bytes = store.stats()["db_bytes"]
