@@ -111,6 +111,6 @@ def control_character(value: str) -> str | None:
 def header_value(client_id: str) -> str:
     """A client-chosen id as an HTTP header value: as is when it is printable ASCII, else
     percent-encoded UTF-8 (headers carry only Latin-1, and an id may be any Unicode text)."""
-    if all(" " <= ch <= "~" for ch in client_id):
+    if client_id.isascii() and client_id.isprintable():  # " " to "~"; two C calls, not one per character
         return client_id
     return quote(client_id, safe=_HEADER_SAFE)

@@ -179,6 +179,8 @@ class RendererCache:
 
     @staticmethod
     def _key(kwargs: dict) -> str:
+        if not kwargs:  # most requests: no encoder needed for what json.dumps({}) returns
+            return "{}"
         return json.dumps(kwargs, sort_keys=True, default=repr)
 
     def __call__(self, kwargs: dict):

@@ -34,6 +34,17 @@ def test_ids_roundtrip():
     assert new_turn_id() != new_turn_id()
 
 
+def test_header_values_pass_printable_ascii_and_encode_the_rest():
+    from urllib.parse import unquote
+
+    from proxy.ids import header_value
+
+    assert header_value("sess a/b~%x") == "sess a/b~%x"
+    for odd in ("tab\there", "del\x7f", "caf\u00e9", "\u4f1a\u8bdd", "nbsp\u00a0"):
+        got = header_value(odd)
+        assert got != odd and got.isascii() and got.isprintable() and unquote(got) == odd, got
+
+
 def test_turn_and_session_ids_sort_by_time_and_stay_unguessable():
     """Later ids sort later (the store's indexes grow at their end); 56 bits stay random."""
     import time
