@@ -77,4 +77,4 @@ class DriftChecker:
         if drifted:
             self.metrics.drift.inc()
             if not recorded:
-                await asyncio.to_thread(self.store.turns.set_drift, result.turn_id, True)
+                await self.store.turns.set_drift_grouped(result.turn_id, True)

@@ -24,12 +24,16 @@ class GroupCommit:
     def __init__(self, db: Database):
         self.db = db
         self._queue: list[tuple[Work, asyncio.Future]] = []
+        self._side: set[asyncio.Future] = set()  # queued writes that are not turns (not counted)
         self.on_flush: Callable[[int], None] | None = None  # turns per transaction, for /metrics
 
-    def submit(self, work: Work) -> asyncio.Future:
-        """Queue ``work``; the future resolves once the transaction holding it has committed."""
+    def submit(self, work: Work, *, turn: bool = True) -> asyncio.Future:
+        """Queue ``work``; the future resolves once the transaction holding it has committed.
+        ``turn=False``: a small write riding along (a flag), left out of the turns counted."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        if not turn:
+            self._side.add(fut)
         self._queue.append((work, fut))
         if len(self._queue) == 1:
             loop.call_soon(self._flush)
@@ -38,11 +42,13 @@ class GroupCommit:
     def _flush(self) -> None:
         batch = [(work, fut) for work, fut in self._queue if not fut.cancelled()]
         self._queue = []
+        side, self._side = self._side, set()
         if not batch:
             return
+        turns = len(batch) if not side else sum(1 for _, fut in batch if fut not in side)
         outcomes: list[tuple[asyncio.Future, BaseException | None, Any]] = []
         if len(batch) == 1:  # a group of one (C=1) needs no savepoint: its transaction is its own
-            self._flush_one(*batch[0])
+            self._flush_one(*batch[0], turns)
             return
         try:
             with self.db.write() as c:
@@ -66,10 +72,10 @@ class GroupCommit:
                 fut.set_exception(exc)
             else:
                 fut.set_result(out)
-        if self.on_flush is not None:
-            self.on_flush(len(batch))
+        if self.on_flush is not None and turns:
+            self.on_flush(turns)
 
-    def _flush_one(self, work: Work, fut: asyncio.Future) -> None:
+    def _flush_one(self, work: Work, fut: asyncio.Future, turns: int) -> None:
         try:
             with self.db.write() as c:
                 out = work(c)
@@ -77,5 +83,5 @@ class GroupCommit:
             fut.set_exception(exc)
             return
         fut.set_result(out)
-        if self.on_flush is not None:
-            self.on_flush(1)
+        if self.on_flush is not None and turns:
+            self.on_flush(turns)

@@ -252,8 +252,12 @@ class TurnTable:
     def set_drift(self, turn_id: str, drift: bool = True) -> None:
         """Record, after the fact, whether a full re-render would have produced different ids."""
         with self.db.write() as c:
-            if c.execute("UPDATE turns SET drift = ? WHERE turn_id = ?", (int(drift), turn_id)).rowcount == 0:
-                raise NotFound(f"no turn {turn_id!r}")
+            _set_drift(c, turn_id, drift)
+
+    async def set_drift_grouped(self, turn_id: str, drift: bool = True) -> None:
+        """``set_drift`` in the event loop's next group commit: no transaction of its own, and no
+        thread holding the write lock that the loop's reads and commits would wait for."""
+        await self.group.submit(lambda c: _set_drift(c, turn_id, drift), turn=False)
 
     def update_proximal(self, turn_id: str, proximal_logprobs_t: list[float], proximal_versions: list[int]) -> None:
         """Replace a turn's proximal arrays (output coordinates) after a recompute; commits."""
@@ -515,6 +519,11 @@ class TurnTable:
             self._full_ids.put(seq, np.concatenate([prompt, unpack_i32(row[9])]))
             result.append(row_record(row, prompt))
         return result
+
+
+def _set_drift(c: sqlite3.Connection, turn_id: str, drift: bool) -> None:
+    if c.execute("UPDATE turns SET drift = ? WHERE turn_id = ?", (int(drift), turn_id)).rowcount == 0:
+        raise NotFound(f"no turn {turn_id!r}")
 
 
 def _halves(full: np.ndarray, n_prompt: int) -> tuple[np.ndarray, np.ndarray]:

@@ -38,8 +38,8 @@ def test_spliced_turns_record_the_drift_the_template_would_have_caused(tmp_path)
             app = create_app(Settings(store=str(tmp_path / "s.sqlite"), engine_url=[URL]), fmt=ChatFormat(TOK, "qwen3"),
                              pool=EnginePool("sglang", [URL], health_interval_s=0))  # fmt: skip
             convs, writes = [], []
-            set_drift = app.state.store.turns.set_drift
-            app.state.store.turns.set_drift = lambda *a, **k: (writes.append(a), set_drift(*a, **k))
+            set_drift = app.state.store.turns.set_drift_grouped
+            app.state.store.turns.set_drift_grouped = lambda *a, **k: (writes.append(a), set_drift(*a, **k))[1]
             async with app.router.lifespan_context(app):
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60) as c:
                     msgs = [{"role": "user", "content": "Run f until done."}]

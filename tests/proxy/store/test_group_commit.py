@@ -52,6 +52,33 @@ def test_turns_finishing_together_commit_in_one_transaction_as_add_would(db_path
         assert [c.turn_id for c in store.turns.candidates(b"fp%d" % k)] == [f"s{k}-t0"]
 
 
+def test_a_drift_flag_rides_along_a_turns_transaction_and_is_not_counted(db_path, make_turn):
+    """The drift checker's flag joins the loop's next group commit (no transaction or thread
+    of its own); the group-size metric still counts turns only, and a flag for an unknown
+    turn fails alone."""
+    store, groups = _store(db_path)
+    store.sessions.upsert("a")
+    first = make_turn("a", 0, [1], [2])
+    store.turns.add(first)
+
+    async def go():
+        flag = store.turns.set_drift_grouped(first.turn_id)
+        turn = store.turns.add_grouped(make_turn("a", 1, [1, 2, 3], [4], parent=first.turn_id), on_lost=pytest.fail)
+        missing = store.turns.set_drift_grouped("nope")
+        return await asyncio.gather(flag, turn, missing, return_exceptions=True)
+
+    flag, _, missing = asyncio.run(go())
+    assert flag is None and "nope" in str(missing)
+    assert groups == [1]  # one transaction: one turn counted, two flag writes not
+    assert [t.drift for t in store.turns.list("a")] == [True, False]
+
+    async def alone():
+        await store.turns.set_drift_grouped(first.turn_id, False)
+
+    asyncio.run(alone())
+    assert groups == [1] and store.turns.list("a")[0].drift is False
+
+
 def test_a_failing_turn_fails_alone_and_the_group_commits(db_path, make_turn):
     store, groups = _store(db_path)
     for sid in ("a", "b", "c", "e"):
