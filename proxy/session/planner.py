@@ -58,7 +58,7 @@ class Candidate(Protocol):
     turn_id: str
     session_id: str
     continued: bool  # a later turn already continues it
-    variant: bytes | None  # the tools and kwargs it was asked with (``variant``); None: stored before schema 6
+    variant: bytes | None  # the tools and kwargs it was asked with (``TurnRequest.fingerprint_variant``); None: before schema 6
 
 
 class TurnLookup(Protocol):
@@ -109,24 +109,16 @@ class Plan:
 def fingerprint_keys(hashed: HistoryHash, req: TurnRequest) -> tuple[str, str, str]:
     """Fingerprints of a history: exact (tools + template kwargs), without kwargs, messages only.
     Stores before schema 6 hold a row per key; a turn is now stored under the last one only, with
-    its ``variant`` beside it."""
+    its variant (``TurnRequest.fingerprint_variant``) beside it."""
     msgs = hashed.hexdigest()
     tools = req.tools_key
-    kwargs = _kwargs_key(req)
-    return f"x:{tools}:{kwargs}:{msgs}", f"t:{tools}:{msgs}", f"m:{msgs}"
+    kwargs = req.kwargs_key
+    return f"x:{tools}:{kwargs}:{msgs}", f"t:{tools}:{msgs}", _history_key(msgs)
 
 
-def _kwargs_key(req: TurnRequest) -> str:
-    return repr(sorted((req.chat_template_kwargs or {}).items()))
-
-
-def variant(req: TurnRequest) -> bytes:
-    """What a fingerprint row keeps beside the history's digest: 8 bytes for the tools, 8 for the
-    template kwargs. One row per scope then says which of the three ways a turn matches a
-    request (same tools and kwargs, same tools only, history only), where three rows did."""
-    return hashlib.blake2b(f"t:{req.tools_key}".encode(), digest_size=8).digest() + hashlib.blake2b(
-        f"k:{_kwargs_key(req)}".encode(), digest_size=8
-    ).digest()
+def _history_key(hexdigest: str) -> str:
+    """The messages-only key: what a turn is stored under since schema 6."""
+    return f"m:{hexdigest}"
 
 
 def digest(key: str, session_id: str | None = None) -> bytes:
@@ -139,7 +131,7 @@ def edit_keys(hashed: HistoryHash, req: TurnRequest) -> list[tuple[tuple[str, ..
     """Edit-tolerant fingerprints (``keep`` policy): first with the same tools, then with any
     tools (the edit ``tools``); template kwargs must still match."""
     tools = req.tools_key
-    kwargs = _kwargs_key(req)
+    kwargs = req.kwargs_key
     forms = hashed.edit_hexdigests()
     if not forms:
         return []
@@ -155,8 +147,8 @@ def answer_fingerprints(
     with plus its answer, unscoped and scoped to its session (and, for a request under the
     ``keep`` policy, its edit-tolerant forms, which carry their tools and kwargs in the key)."""
     full = hashed.copy().extend([answer])
-    m = fingerprint_keys(full, req)[2]
-    v = variant(req)
+    m = _history_key(full.hexdigest())
+    v = req.fingerprint_variant
     edits = [k for _, k in edit_keys(full, req)]
     return [(digest(m), v), (digest(m, session_id), v), *((digest(k), None) for k in edits),
             *((digest(k, session_id), None) for k in edits)]  # fmt: skip
@@ -216,7 +208,7 @@ def _find(hashed: HistoryHash, req: TurnRequest, lookup: TurnLookup) -> tuple[Ca
     One lookup by the history's digest; each row's ``variant`` says how it matches. A row stored
     before schema 6 has none: the per-key rows stored with it (exact, same tools) say instead."""
     exact_key, tools_key, history_key = fingerprint_keys(hashed, req)
-    want = variant(req)
+    want = req.fingerprint_variant
     rows = lookup.candidates(digest(history_key, req.session_id), want)
     exact_old: set[str] = set()
     tools_old: set[str] = set()

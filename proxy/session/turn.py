@@ -10,6 +10,7 @@ and is committed in the same transaction as the turn. Streaming front ends pass
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Literal, Sequence
@@ -67,6 +68,19 @@ class TurnRequest:
         """``tools_fingerprint(self.tools)``, computed once: every history fingerprint of the turn
         (when it is planned, and when its answer is committed) carries it."""
         return tools_fingerprint(self.tools)
+
+    @cached_property
+    def kwargs_key(self) -> str:
+        """The template kwargs in one canonical form (part of the turn's history fingerprints)."""
+        return repr(sorted((self.chat_template_kwargs or {}).items()))
+
+    @cached_property
+    def fingerprint_variant(self) -> bytes:
+        """What the turn's fingerprint rows keep beside the history's digest: 8 bytes for the
+        tools, 8 for the template kwargs (``proxy.store.fingerprints``). Computed once: read
+        when the turn is planned and when its answer is committed."""
+        tools = hashlib.blake2b(f"t:{self.tools_key}".encode(), digest_size=8).digest()
+        return tools + hashlib.blake2b(f"k:{self.kwargs_key}".encode(), digest_size=8).digest()
 
 
 @dataclass

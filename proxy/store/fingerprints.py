@@ -27,10 +27,10 @@ class Candidate:
     turn_id: str
     session_id: str
     continued: bool  # some later turn already continues it
-    variant: bytes | None = None  # what its fingerprint row keeps beside it (proxy.session.planner.variant)
+    variant: bytes | None = None  # what its fingerprint row keeps beside it (proxy.session.turn.TurnRequest.fingerprint_variant)
 
 
-def insert(c: sqlite3.Connection, seq: int, fingerprints: Sequence[bytes | tuple[bytes, bytes | None]]) -> None:
+def insert_fingerprints(c: sqlite3.Connection, seq: int, fingerprints: Sequence[bytes | tuple[bytes, bytes | None]]) -> None:
     """The rows of turn ``seq``: (fingerprint, variant) pairs, or bare fingerprints (no variant)."""
     c.executemany(
         "INSERT OR IGNORE INTO fingerprints (fp, turn_seq, variant) VALUES (?, ?, ?)",
@@ -38,7 +38,7 @@ def insert(c: sqlite3.Connection, seq: int, fingerprints: Sequence[bytes | tuple
     )
 
 
-def candidates(c: sqlite3.Connection, fingerprint: bytes, variant: bytes | None, limit: int) -> list[Candidate]:
+def find_candidates(c: sqlite3.Connection, fingerprint: bytes, variant: bytes | None, limit: int) -> list[Candidate]:
     """Turns stored under ``fingerprint``, most recent first; given a ``variant``, those stored
     with it first, then those whose variant shares its first 8 bytes (the same tools), so
     ``limit`` never cuts the better matches."""

@@ -23,8 +23,7 @@ Work = Callable[[Any], Any]  # gets the open connection; its result goes to the 
 class GroupCommit:
     def __init__(self, db: Database):
         self.db = db
-        self._queue: list[tuple[Work, asyncio.Future]] = []
-        self._side: set[asyncio.Future] = set()  # queued writes that are not turns (not counted)
+        self._queue: list[tuple[Work, asyncio.Future, bool]] = []  # (work, its future, whether it is a turn)
         self.on_flush: Callable[[int], None] | None = None  # turns per transaction, for /metrics
 
     def submit(self, work: Work, *, turn: bool = True) -> asyncio.Future:
@@ -32,20 +31,17 @@ class GroupCommit:
         ``turn=False``: a small write riding along (a flag), left out of the turns counted."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        if not turn:
-            self._side.add(fut)
-        self._queue.append((work, fut))
+        self._queue.append((work, fut, turn))
         if len(self._queue) == 1:
             loop.call_soon(self._flush)
         return fut
 
     def _flush(self) -> None:
-        batch = [(work, fut) for work, fut in self._queue if not fut.cancelled()]
+        batch = [(work, fut) for work, fut, _ in self._queue if not fut.cancelled()]
+        turns = sum(turn for _, fut, turn in self._queue if not fut.cancelled())
         self._queue = []
-        side, self._side = self._side, set()
         if not batch:
             return
-        turns = len(batch) if not side else sum(1 for _, fut in batch if fut not in side)
         outcomes: list[tuple[asyncio.Future, BaseException | None, Any]] = []
         if len(batch) == 1:  # a group of one (C=1) needs no savepoint: its transaction is its own
             self._flush_one(*batch[0], turns)

@@ -88,7 +88,7 @@ CREATE TABLE IF NOT EXISTS item_ids (
 -- History fingerprints -> the turns whose answer they end with. Several turns may share one
 -- (sessions of a group that sampled the same answer): the planner chooses among them. A turn
 -- has one row per scope (unscoped, its session); `variant` says which tools and template
--- kwargs it was asked with (proxy.session.planner.variant). Rows stored before schema 6 have
+-- kwargs it was asked with (proxy.session.turn.TurnRequest.fingerprint_variant). Rows stored before schema 6 have
 -- none: those turns have a row per key instead (exact, same tools, history only).
 CREATE TABLE IF NOT EXISTS fingerprints (
     fp       BLOB NOT NULL,

@@ -22,9 +22,8 @@ import numpy as np
 import orjson
 
 from .db import Database
-from . import fingerprints as fingerprints_
 from .errors import Conflict, NotFound
-from .fingerprints import Candidate
+from .fingerprints import Candidate, find_candidates, insert_fingerprints
 from .group_commit import GroupCommit
 from .images import StoredImage, pack_refs, write_images
 from .lru import LRU
@@ -217,7 +216,7 @@ class TurnTable:
             if turn.images:
                 c.execute("INSERT INTO turn_images (turn_seq, refs) VALUES (?, ?)", (seq, pack_refs(turn.images)))
             if fingerprints:
-                fingerprints_.insert(c, seq, fingerprints)
+                insert_fingerprints(c, seq, fingerprints)
             resp_seq = self.responses.insert(c, response, turn.session_id, turn.turn_id) if response is not None else None
             done.update(seq=seq, resp_seq=resp_seq, sampling_id=sampling_id)
 
@@ -445,9 +444,9 @@ class TurnTable:
             yield row_tokens(row, prompt)
 
     def candidates(self, fingerprint: bytes, variant: bytes | None = None, limit: int = 64) -> list[Candidate]:
-        """Recorded turns a history fingerprint leads to (``fingerprints.candidates``)."""
+        """Recorded turns a history fingerprint leads to (``fingerprints.find_candidates``)."""
         with self.db.read() as c:
-            return fingerprints_.candidates(c, fingerprint, variant, limit)
+            return find_candidates(c, fingerprint, variant, limit)
 
     def owed(self, version: int) -> list[TurnRecord]:
         """Turns of not-yet-acked sessions holding tokens of ``version - 1`` with no proximal value yet (R2)."""
