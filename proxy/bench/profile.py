@@ -1,7 +1,8 @@
 """A sampling profile of a running proxy: ``py-spy record`` (collapsed stacks) around a bench
 phase, and its hottest frames as a table.
 
-py-spy is not a dependency (``pip install py-spy``); it is found on ``PATH`` or at ``$PY_SPY``.
+py-spy is not a dependency (``pip install py-spy``); it is found at ``$PY_SPY``, on ``PATH`` or beside
+this interpreter (a venv not activated).
 Attaching needs ptrace permission over the proxy (same user, ``kernel.yama.ptrace_scope`` 0 or
 1 with the proxy a child of the caller's parent, or root).
 """
@@ -12,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections import Counter
 from typing import Iterator
 
@@ -19,7 +21,9 @@ from .tables import format_table
 
 
 def _py_spy() -> str:
-    exe = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    # pip installs it beside this interpreter, which need not be on PATH (a venv not activated)
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    exe = os.environ.get("PY_SPY") or shutil.which("py-spy") or (beside if os.path.exists(beside) else None)
     if not exe:
         raise SystemExit("--profile needs py-spy: pip install py-spy (or set PY_SPY to its path)")
     if not os.access(exe, os.X_OK):
