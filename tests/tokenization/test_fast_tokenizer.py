@@ -141,3 +141,29 @@ def test_special_token_attributes_are_the_tokenizers_and_read_from_it_once(qwen_
     assert fast.model_max_length == qwen_tok.model_max_length  # anything else: read through each time
     assert fast.model_max_length == qwen_tok.model_max_length
     assert reads == ["model_max_length", "model_max_length"]
+
+
+def test_long_text_is_encoded_with_the_gil_released_and_the_same_ids(qwen_tok):
+    """A long piece (a tool result, a pasted file) goes through ``encode_batch``, which lets go of
+    the GIL while the Rust code runs; ``encode`` held it (2 MB: 3 s with every other thread, the
+    event loop included, stopped). The ids are transformers' own either way."""
+    import threading
+    import time
+
+    from tokenization.fast_tokenizer import RELEASE_GIL_CHARS
+
+    fast = FastTokenizer(qwen_tok)
+    piece = " ".join(f"w{i} café {i * 7}" for i in range(4_000))
+    assert len(piece) > RELEASE_GIL_CHARS
+    text = f"<|im_start|>user\n{piece}<|im_end|>\n" + piece[::-1]  # split at added tokens: long pieces on both sides
+    assert fast.encode(text) == qwen_tok.encode(text, add_special_tokens=False)
+
+    big = " ".join(f"word{i}" for i in range(120_000))  # ~1 MB: about a second of tokenizing
+    done, ticks = threading.Event(), 0
+    worker = threading.Thread(target=lambda: (fast.encode(big), done.set()))
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.005)
+        ticks += 1
+    worker.join()
+    assert ticks >= 20, ticks  # holding the GIL, this thread woke 1 to 3 times in the whole encode
