@@ -38,7 +38,7 @@ import orjson
 
 from tokenization.conversation import Message
 
-from ..session.runner import message_chars
+from ..session.planner import message_chars
 from .content import name_tool_messages
 from .jsonio import check_body_depth, parse_json_object
 from .resent_bytes import MIN_BYTES, WINDOW, Layout, extend_ends, field_start, layout_of, parse_after, shared_items
@@ -98,7 +98,7 @@ class Conversion(NamedTuple):
     items: list[tuple[Message, ...]]
     item_ids: list[tuple[str, ...]]
     names: dict[str, str]
-    chars: tuple[int, int]  # (all, kept) characters of ``messages`` (``proxy.session.runner.message_chars``)
+    chars: tuple[int, int]  # (all, kept) characters of ``messages`` (``proxy.session.planner.message_chars``)
     starts: set[int] | None = None  # a merging converter's restart points (``MergingConverter.at_start``)
     calls: int = 0  # tool calls in ``messages``
 

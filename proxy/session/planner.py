@@ -167,15 +167,40 @@ class RenderError(Exception):
     """The chat template rejected the conversation."""
 
 
-def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, hashes: HistoryHashes | None = None) -> Plan:
+class PlanOffLoop(Exception):
+    """Raised by ``plan(..., inline_chars=n)`` before it would tokenize more than ``n`` characters
+    (a full render, or long new messages): the caller plans again in a worker thread. Nothing was
+    changed yet but caches that the second call reuses."""
+
+
+def message_chars(messages: list[Message]) -> tuple[int, int]:
+    """(all characters of the messages, characters every render keeps: non-assistant content)."""
+    total = kept = 0
+    for m in messages:
+        n = len(m.content)
+        total += n
+        if m.role != "assistant":
+            kept += n
+            continue
+        if m.reasoning:
+            total += len(m.reasoning)
+        for tc in m.tool_calls:
+            total += len(tc.arguments)
+    return total, kept
+
+
+def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, hashes: HistoryHashes | None = None, *,
+         inline_chars: int | None = None) -> Plan:
     """Splice onto the recorded turn the request continues, or render in full (see module doc).
-    ``hashes``: long histories hashed before, so a resent one is not hashed again."""
+    ``hashes``: long histories hashed before, so a resent one is not hashed again.
+    ``inline_chars``: raise :class:`PlanOffLoop` instead of rendering the request in full, or of
+    bridging new messages of more characters than this."""
     last_asst = last_assistant(req.messages)
     req.compaction = "restart" if req.compacted_from and last_asst < 0 else compaction_kind(req.messages, last_asst)
     history = req.messages[: last_asst + 1]
     edits = keeps_edits(req)
     hh = hashes.hash(history, edits=edits) if hashes is not None else HistoryHash(edits=edits).extend(history)
-    p = _plan(req, lookup, fmt, last_asst, hh)
+    p = _plan(req, lookup, fmt, last_asst, hh, inline_chars)
     p.history_hash, p.hashed = hh, last_asst + 1
     if not isinstance(p.prompt_ids, np.ndarray):  # a full render (its cost dwarfs this pass)
         p.prompt_ids = np.asarray(p.prompt_ids, dtype=np.int32)
@@ -224,13 +249,16 @@ def _find(hashed: HistoryHash, req: TurnRequest, lookup: TurnLookup) -> tuple[Ca
     return None, None, False
 
 
-def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int, hh: HistoryHash) -> Plan:
+def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int, hh: HistoryHash,
+          inline_chars: int | None = None) -> Plan:
     msgs = req.messages
     explicit = req.session_id
 
     spec = getattr(fmt, "vision", None)
 
     def fork(session_id: str | None, parent: str | None, reason: str | None, **kw) -> Plan:
+        if inline_chars is not None:
+            raise PlanOffLoop()
         t0 = time.perf_counter()
         ids = _render(fmt, req)
         images = _place(ids, msgs, spec) if spec is not None else ()
@@ -268,6 +296,8 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
     if ids is None:  # gone between the lookups (cannot happen while turns are never deleted)
         return fork(session_id, None, "unknown_parent")
     prev_prompt, prev_output = ids
+    if inline_chars is not None and message_chars(msgs[last_asst + 1 :])[0] > inline_chars:
+        raise PlanOffLoop()
     t0 = time.perf_counter()
     res = fmt.bridge(
         prev_prompt, prev_output, list(msgs[last_asst + 1 :]), tools=req.tools, history=list(msgs[: last_asst + 1]),

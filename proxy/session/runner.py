@@ -4,10 +4,13 @@ lock, parse, let the front end present it, commit, count."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import threading
 import time
+import weakref
 
 from engines.http import check_token_ids, redact_url, vocab_bound
 from engines.types import EngineError, Generation
@@ -22,7 +25,7 @@ from ..turn_log import TurnWatch
 from .drift import DriftChecker
 from .episodes import EpisodeRoles
 from .images import as_stored, engine_images, request_images
-from .planner import Plan, RenderError, answer_fingerprints, plan
+from .planner import Plan, PlanOffLoop, RenderError, answer_fingerprints, message_chars, plan
 from .recompute import Piggyback, RecomputeScheduler
 from .sampling import SamplingPolicy
 from .turn import TokensCallback, TurnRequest, TurnResult
@@ -32,31 +35,43 @@ _redacted = functools.lru_cache(maxsize=256)(redact_url)  # a replica's url, onc
 
 _RESPONSE_IDS = {"responses": response_id, "chat": chat_completion_id, "messages": message_id}
 
-# A request whose messages hold more characters than this is planned (tokenized, rendered) in a
-# worker thread, so one huge request never stalls the event loop; smaller ones stay inline.
+# A plan that tokenizes more characters than this (a full render of a long conversation, or long
+# new messages) runs in a worker thread, so one huge request never stalls the event loop. A splice
+# onto a long recorded history tokenizes only the new messages: it stays inline, as thread
+# hand-offs cost a long-history turn about as much as its plan.
 PLAN_INLINE_CHARS = 32_768
-
-
-def message_chars(messages: list[Message]) -> tuple[int, int]:
-    """(all characters of the messages, characters every render keeps: non-assistant content)."""
-    total = kept = 0
-    for m in messages:
-        n = len(m.content)
-        total += n
-        if m.role != "assistant":
-            kept += n
-            continue
-        if m.reasoning:
-            total += len(m.reasoning)
-        for tc in m.tool_calls:
-            total += len(tc.arguments)
-    return total, kept
 
 
 def max_token_chars(tokenizer) -> int:
     """The most characters one token can stand for (byte-level BPE: bytes >= characters)."""
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     return max((len(p) for p in pieces if p), default=1)
+
+
+_token_chars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> Future[int]
+_token_chars_lock = threading.Lock()
+
+
+def max_token_chars_soon(tokenizer) -> concurrent.futures.Future:
+    """:func:`max_token_chars` computed in a daemon thread from now on, once per tokenizer: a
+    pass over the whole vocabulary (~0.1 s) paid at start-up, not by the first long turn."""
+    with _token_chars_lock:
+        try:
+            fut = _token_chars.get(tokenizer)
+            if fut is not None:
+                return fut
+            fut = _token_chars[tokenizer] = concurrent.futures.Future()
+        except TypeError:  # not weakly referable or not hashable: no sharing
+            fut = concurrent.futures.Future()
+
+    def work() -> None:
+        try:
+            fut.set_result(max_token_chars(tokenizer))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits it
+            fut.set_exception(exc)
+
+    threading.Thread(target=work, name="splice-max-token-chars", daemon=True).start()
+    return fut
 
 
 class StoreLookup:
@@ -128,6 +143,7 @@ class TurnRunner:
         self._ambiguous_logged: set[str] = set()
         self.vocab_size = vocab_bound(fmt.tokenizer)
         self._max_token_chars: int | None = None
+        self._max_token_chars_soon = max_token_chars_soon(fmt.tokenizer)
         spec = getattr(fmt, "vision", None)
         # A vision model never samples its placeholder / vision-control tokens (docs/images.md).
         self.banned_ids: tuple[int, ...] = tuple(sorted(spec.banned_ids)) if spec is not None else ()
@@ -140,11 +156,11 @@ class TurnRunner:
             lock = self._locks[session_id] = asyncio.Lock()
         return lock
 
-    def _plan(self, req: TurnRequest) -> Plan:
+    def _plan(self, req: TurnRequest, inline_chars: int | None = None) -> Plan:
         if req.history_edits_policy is None:
             req.history_edits_policy = self.history_edits
         try:
-            p = plan(req, self.lookup, self.fmt, self.hashes)
+            p = plan(req, self.lookup, self.fmt, self.hashes, inline_chars=inline_chars)
         except RenderError as exc:
             raise APIError(400, f"the chat template cannot render this conversation: {exc}", code="invalid_messages") from None
         m = self.metrics.stage_seconds
@@ -174,7 +190,10 @@ class TurnRunner:
         chars, kept = req.message_chars or message_chars(req.messages)
         if chars > PLAN_INLINE_CHARS:
             await self._check_fits(req, kept)
-            p = await asyncio.to_thread(self._plan, req)
+            try:
+                p = self._plan(req, inline_chars=PLAN_INLINE_CHARS)
+            except PlanOffLoop:
+                p = await asyncio.to_thread(self._plan, req)
         else:
             p = self._plan(req)
         req.session_resolved = p.session_id
@@ -219,7 +238,7 @@ class TurnRunner:
         """``context_length_exceeded`` before any tokenizing when the text cannot fit: every
         token stands for at most ``max_token_chars`` characters of it."""
         if self._max_token_chars is None:
-            self._max_token_chars = await asyncio.to_thread(max_token_chars, self.fmt.tokenizer)
+            self._max_token_chars = await asyncio.wrap_future(self._max_token_chars_soon)
         limit = self.sampling.max_context * self._max_token_chars
         if chars > limit:
             raise APIError(

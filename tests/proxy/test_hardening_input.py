@@ -269,7 +269,8 @@ def test_huge_message_is_context_length_exceeded_without_tokenizing(client, monk
 
 
 def test_large_request_is_planned_off_the_event_loop(tmp_path):
-    """A request that must be tokenized in full runs in a worker thread: /health keeps answering."""
+    """A request that must be tokenized in full runs in a worker thread, and the tokenizer lets
+    go of the GIL meanwhile: /health keeps answering."""
     asyncio.run(_large_request(tmp_path))
 
 
@@ -292,4 +293,69 @@ async def _large_request(tmp_path):
     assert r.status_code == 200, r.text
     # planned on the loop, one /health would wait for the whole request; relative, so a loaded
     # machine (slower everything) does not decide it
-    assert polls >= 5 and worst < 0.5 * total, (polls, worst, total)
+    # The tokenizer releases the GIL on long text: /health is answered every ~25 ms all along
+    # (about 110 polls in 2.5 s here). Holding it, 3 or 4 polls got through in the whole request.
+    assert polls >= 25 and worst < 0.5 * total, (polls, worst, total)
+
+
+class PromptPool(CountingPool):
+    """``CountingPool`` that keeps each turn's prompt ids."""
+
+    def __init__(self, ids):
+        super().__init__(ids)
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, input_ids, params, *, session_id, on_tokens=None):
+        self.prompts.append([int(t) for t in input_ids])
+        return await super().generate(input_ids, params, session_id=session_id, on_tokens=on_tokens)
+
+
+def test_splice_onto_a_long_history_is_planned_inline_a_render_is_not(tmp_path, monkeypatch):
+    """A long conversation's first turn (a full render) and long new messages are tokenized in a
+    worker thread; a splice onto the long recorded history, which tokenizes only the short new
+    message, is planned on the event loop's thread (a thread hand-off per turn cost a 100k-token
+    turn as much as its plan). The spliced prompt is the template's own rendering."""
+    import threading
+
+    import proxy.session.runner as runner_module
+
+    where: list[str] = []
+    real_plan = runner_module.plan
+
+    def spy(*a, **kw):
+        p = real_plan(*a, **kw)  # recorded only once a plan is made (an inline try may defer)
+        where.append("loop" if threading.get_ident() == loop_thread else "worker")
+        return p
+
+    monkeypatch.setattr(runner_module, "plan", spy)
+    long_text = " ".join(f"word{i}" for i in range(8_000))  # ~70k characters, over PLAN_INLINE_CHARS
+    assert len(long_text) > runner_module.PLAN_INLINE_CHARS
+    c, pool, app = make_client(tmp_path, pool=PromptPool(OK_IDS), max_context=200_000)
+    with c:
+        loop_thread = c.portal.call(threading.get_ident)
+        msgs = [{"role": "user", "content": long_text}]
+        for new in ("and now?", "then?", long_text[::-1], None):  # the last new message is long too
+            r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            if new is not None:
+                msgs = msgs + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                               {"role": "user", "content": new}]  # fmt: skip
+        store = app.state.store
+        turns = store.turns.list(store.sessions.list().sessions[0]["session_id"])
+    assert where == ["worker", "loop", "loop", "worker"]
+    assert [t.spliced for t in turns] == [False, True, True, True]
+    # the third request (two short splices in): its prompt as the model's own template renders it
+    want = TOK.apply_chat_template(msgs[:5], tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert pool.prompts[2] == list(want)
+
+
+def test_the_vocabulary_scan_runs_at_start_up_once_per_tokenizer():
+    """The most characters one token stands for (a pass over the whole vocabulary, ~0.1 s) is
+    computed in the background from start-up, once per tokenizer: the first long turn of a
+    session used to pay it on the event loop, mid-run."""
+    from proxy.session.runner import max_token_chars, max_token_chars_soon
+
+    soon = max_token_chars_soon(TOK)
+    assert max_token_chars_soon(TOK) is soon  # shared by every app on this tokenizer
+    longest = max(len(p) for p in TOK.convert_ids_to_tokens(list(range(len(TOK)))) if p)
+    assert soon.result(timeout=60) == max_token_chars(TOK) == longest > 1

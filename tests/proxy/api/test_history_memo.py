@@ -18,7 +18,7 @@ import respx
 from engines.pool import EnginePool
 from proxy.api.chat import _message_converter, keepable
 from proxy.api.history_memo import ITEM_BYTES, HistoryMemo, convert
-from proxy.session.runner import message_chars
+from proxy.session.planner import message_chars
 from proxy.app import create_app
 from proxy.settings import Settings
 from tests.fakes.engines import FakeSGLang, Step

@@ -20,7 +20,7 @@ from proxy.api.history_memo import NOT_KEPT, HistoryMemo, convert
 from proxy.api.images import ImageRequest
 from proxy.api.responses import _InputConverter, input_to_messages, keepable, memo_head
 from proxy.api.responses_conversation import _ConversationJSON, message_to_dict
-from proxy.session.runner import message_chars
+from proxy.session.planner import message_chars
 from tests.fakes.engines import Step
 from tests.proxy.api.test_history_memo import TOK, TURNS, _serving, on_and_off
 from tokenization.conversation import Message, ToolCall
