@@ -138,6 +138,24 @@ async def run(spec: dict) -> dict:
             ids = ids + got + spec["tail_ids"]
 
     session = generate_session if mode == "generate" else chat_session
+    stall_lat: list[float] = []
+
+    async def staller(stall: dict) -> None:
+        """Beside the workers: a fresh session whose first turn carries a long text, every
+        ``pause_s``; a new text each time (a number in front), so each is rendered from scratch."""
+        conn = Conn(host, port)
+        try:
+            for k in range(1, 1 << 30):
+                body = orjson.dumps({"model": spec["model"], "messages": [{"role": "user", "content": f"{k} {stall['text']}"}]})
+                t0 = time.perf_counter()
+                status, data = await asyncio.wait_for(conn.post("/v1/chat/completions", body, {}), 600)
+                if status != 200:
+                    errors.append(f"long first turn: {status}: {data[:200]!r}")
+                    return
+                stall_lat.append(time.perf_counter() - t0)
+                await asyncio.sleep(stall["pause_s"])
+        finally:
+            conn.close()
 
     async def worker(w: int) -> None:
         nonlocal sessions
@@ -192,10 +210,14 @@ async def run(spec: dict) -> dict:
         await asyncio.gather(*(rest(w) for w in range(c)))
     else:
         t0, cpu0 = time.perf_counter(), time.process_time()
+        beside = asyncio.ensure_future(staller(spec["stall"])) if spec.get("stall") else None
         await asyncio.gather(*(worker(w) for w in range(c)))
+        if beside is not None:
+            beside.cancel()
+            await asyncio.gather(beside, return_exceptions=True)
     # CPU of the request loops only (not interpreter start-up), to show how much of the cores it took.
     return {"lat": lat, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "sessions": sessions,
-            "errors": errors, "timed_out": time.perf_counter() > deadline}
+            "errors": errors, "timed_out": time.perf_counter() > deadline, "stall_lat": stall_lat}
 
 
 if __name__ == "__main__":

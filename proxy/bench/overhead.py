@@ -60,6 +60,11 @@ def add_parser(sub) -> None:
     p.add_argument("--growth-api", nargs="+", choices=("chat", "responses", "messages"), default=["chat"],
                    help="the API(s) the growth phase's sessions use (responses: the whole input list every turn; "
                         "messages: Anthropic's, a cache_control marker moved every turn)")
+    p.add_argument("--stall", type=int, default=0, metavar="TOKENS",
+                   help="short turns at --stall-c alone, then beside a fresh session's first turn of TOKENS tokens "
+                        "(rendered in full) every --stall-pause seconds: how far one long render delays everyone else")
+    p.add_argument("--stall-c", type=int, default=8, help="concurrency of the short turns in the --stall phases")
+    p.add_argument("--stall-pause", type=float, default=0.25, help="seconds between long first turns in the --stall phase")
     p.add_argument("--profile", metavar="PREFIX",
                    help="sample Splice with py-spy during its phases: PREFIX-cC.txt (collapsed stacks) and the top frames printed")
     p.add_argument("--profile-gil", action="store_true",
@@ -197,9 +202,12 @@ def _stats(res: dict) -> dict:
     if not lat:
         return {"turns": 0, "errors": res["errors"][:5], "n_errors": len(res["errors"])}
     q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]  # noqa: E731
-    return {"turns": len(lat), "sessions": res["sessions"], "wall_s": res["wall_s"], "turns_per_s": len(lat) / res["wall_s"],
-            "p50_ms": q(0.50) * 1e3, "p99_ms": q(0.99) * 1e3, "mean_ms": sum(lat) / len(lat) * 1e3,
-            "n_errors": len(res["errors"]), "errors": res["errors"][:5], "timed_out": res.get("timed_out", False)}
+    out = {"turns": len(lat), "sessions": res["sessions"], "wall_s": res["wall_s"], "turns_per_s": len(lat) / res["wall_s"],
+           "p50_ms": q(0.50) * 1e3, "p99_ms": q(0.99) * 1e3, "max_ms": lat[-1] * 1e3, "mean_ms": sum(lat) / len(lat) * 1e3,
+           "n_errors": len(res["errors"]), "errors": res["errors"][:5], "timed_out": res.get("timed_out", False)}
+    if stall := res.get("stall_lat"):  # the long first turns sent beside them (--stall)
+        out["stall_turns"], out["stall_mean_ms"] = len(stall), sum(stall) / len(stall) * 1e3
+    return out
 
 
 def _phase(target: dict, c: int, turns: int, spw: int, base: dict, tmp: str, deadline: float, standin_pid: int,
@@ -339,6 +347,7 @@ def run(args) -> dict:
     runs: list[dict] = []
     history: list[dict] = []
     growth: list[dict] = []
+    stall: list[dict] = []
     litellm_note = "skipped (--no-litellm)"
     try:
         surl = start_standin(tmp, tok, out_ids, procs)
@@ -386,6 +395,11 @@ def run(args) -> dict:
                     s["added_ms"] = {"p50_vs_chat": s["p50_ms"] - ch["p50_ms"], "p99_vs_chat": s["p99_ms"] - ch["p99_ms"],
                                      "p50_vs_generate": s["p50_ms"] - gen["p50_ms"], "p99_vs_generate": s["p99_ms"] - gen["p99_ms"]}
             runs.append(row)
+        if args.stall:
+            from .stall import stall_phases
+
+            stall = stall_phases(args, targets[2], {**base, "messages_doc": _document(tok, args.stall)}, tmp, procs[0].pid,
+                                 _phase, _shape)
         second = _history_target(tmp, surl, tok_dir, procs) if args.history or args.growth else None
         history = _history_phases(args, tok, base, second, tmp) if args.history else []
         if args.growth:
@@ -411,6 +425,10 @@ def run(args) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
     _print(runs, targets, len(out_ids), litellm_note, _table)
+    if stall:
+        from .stall import print_stall
+
+        print_stall(stall, args)
     if history:
         _print_history(history)
     if growth:
@@ -419,7 +437,7 @@ def run(args) -> dict:
         for g in growth:
             print_growth(g)
     return {"bench": "overhead", "output_tokens_per_turn": len(out_ids), "cpu_count": os.cpu_count(), "history": history,
-            "growth": growth,
+            "growth": growth, "stall": stall,
             "litellm": litellm_note, "targets": {t["key"]: t["label"] for t in targets}, "runs": runs,
             "method": "zero-latency stand-in; load generator, stand-in and each proxy in separate processes on one machine; "
                       "latency measured by the load generator; CPU from /proc utime+stime (+children) around each phase, "
