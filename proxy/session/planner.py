@@ -278,6 +278,8 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
                 reason, edits = None, names
                 break
     if found is None:  # recorded by a release that hashed histories with BLAKE2b (HistoryHash)?
+        if inline_chars is not None:  # a second pass over the whole history, and most likely a render
+            raise PlanOffLoop()
         legacy = HistoryHash(legacy=True).extend(msgs[: last_asst + 1])
         found, reason, ambiguous = _find(legacy, req, lookup)
     if reason == "tools_changed" and keeps_edits(req):  # the tool list is not what keep / a compaction forks on

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from proxy.session.planner import answer_fingerprints, digest, fingerprint_keys, plan
+from proxy.session.planner import PlanOffLoop, answer_fingerprints, digest, fingerprint_keys, plan
 from proxy.session.turn import TurnRequest
 from tokenization import ChatFormat, Message, Tool, load_tokenizer, qwen3_tokenizer_dir
 
@@ -245,3 +245,35 @@ def test_a_turn_recorded_under_the_earlier_history_hash_is_still_continued(fmt):
     lookup.record(req1, p1, "t1", Message("assistant", "Yes."), out)
     p2 = plan(_req([USER, ANSWER, Message("user", "Sure?"), Message("assistant", "Yes."), Message("user", "Thanks")]), lookup, fmt)
     assert p2.spliced and p2.parent_turn_id == "t1"
+
+
+def test_an_inline_plan_defers_full_renders_unknown_histories_and_long_new_messages(fmt, monkeypatch):
+    """``inline_chars`` (the event loop's try): a splice with short new messages is planned; a
+    first turn, a history no recorded turn matches (before its second, legacy pass over the
+    history) and long new messages raise ``PlanOffLoop``, and plan as before without it."""
+    import proxy.session.planner as planner
+
+    legacy = []
+
+    class Spy(planner.HistoryHash):
+        def __init__(self, *a, **kw):
+            legacy.append(kw.get("legacy", False))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(planner, "HistoryHash", Spy)
+    lookup = MemoryLookup()
+    with pytest.raises(PlanOffLoop):
+        plan(_req([USER]), lookup, fmt, inline_chars=1000)
+    _first_turn(fmt, lookup)
+    assert plan(_req([USER, ANSWER, Message("user", "Sure?")]), lookup, fmt, inline_chars=1000).spliced
+    long_new = _req([USER, ANSWER, Message("user", "x " * 600)])
+    with pytest.raises(PlanOffLoop):
+        plan(long_new, lookup, fmt, inline_chars=1000)
+    assert plan(long_new, lookup, fmt).spliced
+    unknown = [USER, Message("assistant", "Something else."), Message("user", "?")]
+    legacy.clear()
+    with pytest.raises(PlanOffLoop):
+        plan(_req(unknown), lookup, fmt, inline_chars=1000)
+    assert True not in legacy
+    p = plan(_req(unknown), lookup, fmt)
+    assert (p.spliced, p.fork_reason) == (False, "unknown_parent") and True in legacy
