@@ -14,6 +14,7 @@ Every loop is bounded in count (sessions x turns) and in time (``deadline_s``, p
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 import time
 
@@ -145,7 +146,7 @@ async def run(spec: dict) -> dict:
         ``pause_s``; a new text each time (a number in front), so each is rendered from scratch."""
         conn = Conn(host, port)
         try:
-            for k in range(1, 1 << 30):
+            for k in itertools.count(1):
                 body = orjson.dumps({"model": spec["model"], "messages": [{"role": "user", "content": f"{k} {stall['text']}"}]})
                 t0 = time.perf_counter()
                 status, data = await asyncio.wait_for(conn.post("/v1/chat/completions", body, {}), 600)

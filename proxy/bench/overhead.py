@@ -398,8 +398,8 @@ def run(args) -> dict:
         if args.stall:
             from .stall import stall_phases
 
-            stall = stall_phases(args, targets[2], {**base, "messages_doc": _document(tok, args.stall)}, tmp, procs[0].pid,
-                                 _phase, _shape)
+            splice_target = next(t for t in targets if t["key"] == "splice")
+            stall = stall_phases(args, splice_target, base, _document(tok, args.stall), tmp, procs[0].pid, _phase, _shape)
         second = _history_target(tmp, surl, tok_dir, procs) if args.history or args.growth else None
         history = _history_phases(args, tok, base, second, tmp) if args.history else []
         if args.growth:

@@ -12,11 +12,11 @@ from __future__ import annotations
 from .tables import format_table
 
 
-def stall_phases(args, target: dict, base: dict, tmp: str, standin_pid: int, phase, shape) -> list[dict]:
-    """The two phases' stats (``phase``/``shape``: ``proxy.bench.overhead``'s own, passed in)."""
+def stall_phases(args, target: dict, base: dict, text: str, tmp: str, standin_pid: int, phase, shape) -> list[dict]:
+    """The two phases' stats; ``text``: the long first turns' message (a number goes in front of
+    it each time). ``phase``/``shape``: ``proxy.bench.overhead``'s own, passed in."""
     c = args.stall_c
     turns, spw = shape(c, args)
-    text = base.pop("messages_doc")
     rows = []
     for beside in (False, True):
         print(f"stall: C={c}, short turns {'beside' if beside else 'without'} {args.stall:,}-token first turns ...", flush=True)
