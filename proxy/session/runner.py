@@ -142,8 +142,7 @@ class TurnRunner:
         self._background: set[asyncio.Task] = set()
         self._ambiguous_logged: set[str] = set()
         self.vocab_size = vocab_bound(fmt.tokenizer)
-        self._max_token_chars: int | None = None
-        self._max_token_chars_soon = max_token_chars_soon(fmt.tokenizer)
+        self._max_token_chars = max_token_chars_soon(fmt.tokenizer)  # a future: read when a long request comes
         spec = getattr(fmt, "vision", None)
         # A vision model never samples its placeholder / vision-control tokens (docs/images.md).
         self.banned_ids: tuple[int, ...] = tuple(sorted(spec.banned_ids)) if spec is not None else ()
@@ -237,14 +236,14 @@ class TurnRunner:
     async def _check_fits(self, req: TurnRequest, chars: int) -> None:
         """``context_length_exceeded`` before any tokenizing when the text cannot fit: every
         token stands for at most ``max_token_chars`` characters of it."""
-        if self._max_token_chars is None:
-            self._max_token_chars = await asyncio.wrap_future(self._max_token_chars_soon)
-        limit = self.sampling.max_context * self._max_token_chars
+        soon = self._max_token_chars
+        per_token = soon.result() if soon.done() else await asyncio.wrap_future(soon)
+        limit = self.sampling.max_context * per_token
         if chars > limit:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.sampling.max_context} tokens; the messages hold "
-                f"{chars} characters, more than {limit} ({self._max_token_chars} per token at most) can fit.",
+                f"{chars} characters, more than {limit} ({per_token} per token at most) can fit.",
                 code="context_length_exceeded",
                 param="input" if req.api == "responses" else "messages",
             )
