@@ -31,6 +31,7 @@ import numpy as np
 import orjson
 
 from engines.http_transport import EngineTransport, Reply
+from engines.json_body import Content, encode_body
 from engines.types import (
     EngineBadResponse,
     EngineError,
@@ -240,7 +241,7 @@ class Http:
         the answer (the engine closed it as the request went out, or reset it) is retried once,
         on a new connection. Other calls are not: the pool decides whether a generation may run
         again."""
-        content = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY) if body is not None else None
+        content = encode_body(body) if body is not None else None
         headers = dict(headers or {})
         if content is not None:
             headers["content-type"] = "application/json"
@@ -265,7 +266,7 @@ class Http:
             return None
         return decode_json(data, self.url, path)
 
-    def _open(self, method: str, path: str, content: bytes | None, headers: dict[str, str], timeout: float):
+    def _open(self, method: str, path: str, content: Content | None, headers: dict[str, str], timeout: float):
         if self._auth_headers:
             headers.update(self._auth_headers)
         return self._direct.open(
@@ -291,7 +292,7 @@ class Http:
         self, path: str, body: Any, *, timeout: float, headers: dict[str, str] | None = None
     ) -> AsyncIterator[Reply]:
         """POST and yield the open reply once its status is known to be 2xx (read it with ``sse``)."""
-        content = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        content = encode_body(body)
         headers = {**(headers or {}), "content-type": "application/json", "accept": "text/event-stream"}
         try:
             reply = await self._open("POST", path, content, headers, timeout)

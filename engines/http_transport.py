@@ -27,6 +27,8 @@ from typing import AsyncIterator, NamedTuple
 import httptools
 import httpx
 
+from engines.json_body import Content, content_length
+
 KEEPALIVE_S = 4.0
 """How long an idle engine connection is reused. Below the engines' own keep-alive (vLLM's
 ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` and SGLang's uvicorn both close idle connections after 5 s): a
@@ -158,10 +160,12 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- the request side
-    def send(self, head: bytes, content: bytes | None) -> None:
+    def send(self, head: bytes, content: Content | None) -> None:
         self._start()
         self.in_flight = True
-        if content and len(content) > 65536:
+        if content is not None and not isinstance(content, bytes):  # pieces: one writev, no join
+            self.transport.writelines((head, *content))
+        elif content and len(content) > 65536:
             self.transport.writelines((head, content))
         else:
             self.transport.write(head + content if content else head)
@@ -321,7 +325,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
         else:
             conn.close()
 
-    async def _send(self, method: str, t: _Target, lines: list[bytes], content: bytes | None,
+    async def _send(self, method: str, t: _Target, lines: list[bytes], content: Content | None,
                     connect_s: float | None, read_s: float | None) -> Reply:  # fmt: skip
         head = b"%s %s HTTP/1.1\r\n%b\r\n" % (method.encode("ascii"), t.target, b"".join(lines))
         conn = await self._acquire(t.key, connect_s)
@@ -338,16 +342,17 @@ class EngineTransport(httpx.AsyncBaseTransport):
         return Reply(conn, self, read_s)
 
     async def open(
-        self, method: str, url: str, *, content: bytes | None, headers: dict[str, str], connect_s: float, read_s: float
+        self, method: str, url: str, *, content: Content | None, headers: dict[str, str], connect_s: float, read_s: float
     ) -> Reply:
-        """Send one request and return its reply once the status line and headers are in."""
+        """Send one request and return its reply once the status line and headers are in.
+        ``content``: the body, one buffer or pieces (engines/json_body.py)."""
         t = self._target_of(url)
         lines = [b"host: %s\r\n" % t.host_header]
         for name, value in headers.items():
             _check_header(name, value)
             lines.append(f"{name}: {value}\r\n".encode("latin-1"))
         if content is not None or method in ("POST", "PUT", "PATCH"):
-            lines.append(b"content-length: %d\r\n" % len(content or b""))
+            lines.append(b"content-length: %d\r\n" % content_length(content))
         return await self._send(method, t, lines, content, connect_s, read_s)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:

@@ -2,12 +2,14 @@
 
 Each turn of a session sends the whole conversation's ids to the engine, and each prompt starts
 with the previous one (a splice appends the last output and the new messages). Writing 100k ids
-as JSON costs about 0.5 ms here, every turn; appending the new tail to the previous turn's JSON
-costs a copy of the bytes. The request body carries the result as an ``orjson.Fragment``.
+as JSON costs about 0.5 ms here, every turn. Instead each session keeps its last prompt's JSON
+text as pieces, and a turn that extends the prompt adds one piece for the new ids: the body goes
+out as those pieces (``JsonPieces``, engines/json_body.py), with no copy of the long text.
 
-Every reuse is checked: the previous ids (a private copy) must equal the new prompt's prefix,
-else the ids are written in full. Short prompts and calls without a session key are written
-as they are. Memory is bounded (ids plus JSON bytes, least recently used dropped first).
+Every reuse is checked: the previous ids (a private copy, grown in place like a list) must equal
+the new prompt's prefix, else the ids are written in full. Short prompts and calls without a
+session key are written as they are. Memory is bounded (ids plus JSON bytes, least recently used
+dropped first); a session's pieces are joined into one when they pass ``MAX_PIECES``.
 """
 
 from __future__ import annotations
@@ -19,42 +21,77 @@ import numpy as np
 import orjson
 
 from engines.http import token_list
+from engines.json_body import JsonPieces
 
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
+MAX_PIECES = 64  # a writev's buffers stay far below IOV_MAX (1024); joining costs one copy per 64 turns
+_CLOSE = b"]"
+
+
+class _Kept:
+    """One session's last prompt: its ids (``buf[:n]``, spare room after) and its JSON text
+    without the closing bracket, in pieces."""
+
+    __slots__ = ("buf", "n", "pieces", "text_bytes")
+
+    def __init__(self, ids: np.ndarray):
+        self.n = ids.size
+        self.buf = np.empty(ids.size + ids.size // 4 + 64, dtype=ids.dtype)
+        self.buf[: self.n] = ids
+        # kept at its size: orjson's bytes hold up to 3 times their length
+        self.pieces = [bytes(memoryview(orjson.dumps(ids, option=_NUMPY))[:-1])]
+        self.text_bytes = len(self.pieces[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.nbytes + self.text_bytes
+
+    def extends(self, ids: np.ndarray) -> bool:
+        return self.n <= ids.size and np.array_equal(self.buf[: self.n], ids[: self.n])
+
+    def append(self, tail: np.ndarray) -> None:
+        m = self.n + tail.size
+        if m > self.buf.size:  # grown by a quarter: a long session copies its ids rarely
+            buf = np.empty(m + m // 4 + 64, dtype=self.buf.dtype)
+            buf[: self.n] = self.buf[: self.n]
+            self.buf = buf
+        self.buf[self.n : m] = tail
+        self.n = m
+        piece = b"," + orjson.dumps(tail, option=_NUMPY)[1:-1]
+        self.pieces.append(piece)
+        self.text_bytes += len(piece)
+        if len(self.pieces) > MAX_PIECES:
+            self.pieces = [b"".join(self.pieces)]
+
+    def json(self) -> JsonPieces:
+        return JsonPieces((*self.pieces, _CLOSE))
 
 
 class IdsJson:
     def __init__(self, *, min_ids: int = 4096, max_bytes: int = 32 << 20):
         self.min_ids = min_ids
         self.max_bytes = max_bytes
-        self._last: OrderedDict[str, tuple[np.ndarray, bytes]] = OrderedDict()
+        self._last: OrderedDict[str, _Kept] = OrderedDict()
         self._bytes = 0
         self.reused = 0  # prompts written by appending (a count for tests and benches)
 
     def __call__(self, key: str | None, ids: Any) -> Any:
-        """What a request body carries for ``ids`` (an ``orjson.Fragment`` or ``token_list(ids)``)."""
+        """What a request body carries for ``ids`` (``JsonPieces`` or ``token_list(ids)``)."""
         if not key or not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind != "i" or ids.size < self.min_ids:
             return token_list(ids)
-        text = None
-        hit = self._last.pop(key, None)
-        if hit is not None:
-            prev, prev_text = hit
-            self._bytes -= prev.nbytes + len(prev_text)
-            n = prev.size
-            if n <= ids.size and np.array_equal(prev, ids[:n]):
-                tail = ids[n:]
-                if tail.size:  # one copy of the long text: ``a[:-1] + b"," + c`` made three (~1 ms at 100k ids)
-                    tail_text = orjson.dumps(tail, option=_NUMPY)
-                    text = b"".join((memoryview(prev_text)[:-1], b",", memoryview(tail_text)[1:]))
-                else:
-                    text = prev_text
+        kept = self._last.pop(key, None)
+        if kept is not None:
+            self._bytes -= kept.nbytes
+            if kept.extends(ids):
+                if ids.size > kept.n:
+                    kept.append(ids[kept.n :])
                 self.reused += 1
-        if text is None:  # kept at its size: orjson's bytes hold up to 3 times their length
-            text = bytes(memoryview(orjson.dumps(ids, option=_NUMPY)))
-        own = ids.copy()  # the caller's array may change later; the check compares against this copy
-        self._last[key] = (own, text)
-        self._bytes += own.nbytes + len(text)
+            else:
+                kept = None
+        if kept is None:
+            kept = _Kept(ids)
+        self._last[key] = kept
+        self._bytes += kept.nbytes
         while self._bytes > self.max_bytes and self._last:
-            old, old_text = self._last.popitem(last=False)[1]
-            self._bytes -= old.nbytes + len(old_text)
-        return orjson.Fragment(text)
+            self._bytes -= self._last.popitem(last=False)[1].nbytes
+        return kept.json()

@@ -8,6 +8,7 @@ from hypothesis import settings
 from respx.mocks import HTTPCoreMocker
 
 from engines.http_transport import EngineTransport
+from engines.json_body import content_bytes
 
 # Property tests check values, not time (speed is for the benchmarks): hypothesis' default
 # 200 ms deadline per example failed a round-trip test when the machine stalled for 2 s.
@@ -37,7 +38,7 @@ async def _open_through_respx(self, method, url, *, content, headers, connect_s,
     """The direct path's ``open`` as an httpx request through ``handle_async_request``, which respx
     has patched: routes see the exact bytes and headers the engine would."""
     timeout = {"connect": connect_s, "read": read_s, "write": read_s, "pool": read_s}
-    request = httpx.Request(method, url, content=content, headers=headers, extensions={"timeout": timeout})
+    request = httpx.Request(method, url, content=content_bytes(content), headers=headers, extensions={"timeout": timeout})
     return _HttpxReply(await self.handle_async_request(request))
 
 

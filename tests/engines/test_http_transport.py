@@ -471,3 +471,38 @@ def test_an_informational_reply_is_skipped_and_a_second_reply_drops_the_connecti
     got, peers = asyncio.run(go())
     assert [g["path"] for g in got] == ["/hints", "/after", "/twice", "/last"]
     assert len(peers) == 2  # the connection that carried a second reply was not reused
+
+
+def test_a_long_prompt_sent_as_pieces_arrives_as_the_exact_json_body():
+    """A session's long prompt goes out as the JSON pieces kept from its earlier turns (one
+    ``writev``): the real server's own JSON parser reads each turn's exact ids and fields."""
+    import numpy as np
+
+    from engines.ids_json import IdsJson
+
+    got: list[dict] = []
+
+    async def handler(request):
+        got.append(await request.json())
+        return web.json_response({"ok": True})
+
+    async def go():
+        runner, url = await _serve(handler)
+        enc = IdsJson()
+        prompt = np.arange(100_000, dtype=np.int32) % 151_000
+        sent = []
+        try:
+            async with httpx.AsyncClient(transport=EngineTransport()) as client:
+                http = Http(client, url)
+                for turn in range(3):
+                    prompt = np.concatenate([prompt, np.array([turn, 198, 151_644], dtype=np.int32)])
+                    sent.append(prompt.tolist())
+                    body = {"input_ids": enc("session", prompt), "sampling_params": {"max_new_tokens": 8}, "rid": f"r{turn}"}
+                    assert await http.request("POST", "/generate", body=body, timeout=10) == {"ok": True}
+        finally:
+            await runner.cleanup()
+        return enc, sent
+
+    enc, sent = asyncio.run(go())
+    assert enc.reused == 2
+    assert got == [{"input_ids": ids, "sampling_params": {"max_new_tokens": 8}, "rid": f"r{t}"} for t, ids in enumerate(sent)]

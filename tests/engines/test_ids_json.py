@@ -14,13 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.http_transport import EngineTransport
-from engines.ids_json import IdsJson
+from engines.ids_json import MAX_PIECES, IdsJson
+from engines.json_body import JsonPieces, content_bytes, content_length, encode_body
 from engines.sglang import SGLangClient
 from engines.types import SamplingParams
 
 
 def _body_ids(value) -> list[int]:
-    return json.loads(orjson.dumps({"input_ids": value}, option=orjson.OPT_SERIALIZE_NUMPY))["input_ids"]  # as Http sends it
+    return json.loads(content_bytes(encode_body({"input_ids": value})))["input_ids"]  # as Http sends it
 
 
 @settings(max_examples=150, deadline=None)
@@ -59,6 +60,32 @@ def test_an_extended_prompt_reuses_the_previous_json_and_a_changed_array_does_no
     assert _body_ids(enc("s", longer)) == [99, *range(1, 10), 7, 8]
     assert _body_ids(enc(None, longer)) == longer.tolist()  # no session key: written as it is
     assert enc("s", [1, 2, 3, 4, 5]) == [1, 2, 3, 4, 5]  # a list (not an array) is written as it is
+
+
+def test_a_long_session_keeps_its_json_in_few_pieces_and_its_ids_in_one_growing_buffer():
+    enc = IdsJson(min_ids=4)
+    ids = np.arange(100, dtype=np.int32)
+    for turn in range(3 * MAX_PIECES):
+        ids = np.concatenate([ids, np.array([turn % 7, 198], dtype=np.int32)])
+        out = enc("s", ids)
+        assert type(out) is JsonPieces and len(out) <= MAX_PIECES + 2
+        assert _body_ids(out) == ids.tolist()
+    kept = enc._last["s"]
+    assert enc.reused == 3 * MAX_PIECES - 1 and kept.n == ids.size and kept.buf.size < 2 * ids.size
+    assert enc._bytes == kept.buf.nbytes + sum(len(p) for p in kept.pieces)
+
+
+@given(body=st.dictionaries(st.sampled_from(["a", "b\"q", "c", "é"]),
+                            st.one_of(st.integers(-2**63, 2**63 - 1), st.text(max_size=5), st.lists(st.integers(-99, 99), max_size=3)), max_size=3),
+       at=st.sampled_from(["a", "z", "\n"]), ids=st.lists(st.integers(-5, 10**6), min_size=1, max_size=20))  # fmt: skip
+def test_a_body_with_pieces_is_the_json_of_the_same_body(body, at, ids):
+    """The reference: ``json.loads`` of the pieces sent back to back equals the body as a dict."""
+    text = json.dumps(ids, separators=(",", ":")).encode()
+    pieces = JsonPieces((text[:1], text[1:3], text[3:])) if len(text) > 3 else JsonPieces((text,))
+    content = encode_body({**body, at: pieces})
+    assert isinstance(content, list) and content_length(content) == len(content_bytes(content))
+    assert json.loads(content_bytes(content)) == {**body, at: ids}
+    assert encode_body(body) == orjson.dumps(body)  # no pieces: one buffer, as before
 
 
 def test_memory_stays_under_its_bound():
