@@ -7,7 +7,9 @@ text as pieces, and a turn that extends the prompt adds one piece for the new id
 out as those pieces (``JsonPieces``, engines/json_body.py), with no copy of the long text.
 
 Every reuse is checked: the previous ids (a private copy, grown in place like a list) must equal
-the new prompt's prefix, else the ids are written in full. Short prompts and calls without a
+the new prompt's prefix, else the ids are written in full. A prompt that is a view of an id chain
+(tokenization/id_chain.py, as the proxy's spliced prompts are) and starts where the previous one
+did is known to extend it without the compare: a chain's ids are never written twice. Short prompts and calls without a
 session key are written as they are. Memory is bounded (ids plus JSON bytes, least recently used
 dropped first); a session's pieces are joined into one when they pass ``MAX_PIECES``.
 """
@@ -22,6 +24,7 @@ import orjson
 
 from engines.http import token_list
 from engines.json_body import JsonPieces
+from tokenization.id_chain import is_chain, known_prefix
 
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 MAX_PIECES = 64  # a writev's buffers stay far below IOV_MAX (1024); joining costs one copy per 64 turns
@@ -32,10 +35,11 @@ class _Kept:
     """One session's last prompt: its ids (``buf[:n]``, spare room after) and its JSON text
     without the closing bracket, in pieces."""
 
-    __slots__ = ("buf", "n", "pieces", "text_bytes")
+    __slots__ = ("buf", "n", "pieces", "text_bytes", "ref")
 
     def __init__(self, ids: np.ndarray):
         self.n = ids.size
+        self.ref = ids if is_chain(ids) else None  # the caller's array, when it cannot change
         self.buf = np.empty(ids.size + ids.size // 4 + 64, dtype=ids.dtype)
         self.buf[: self.n] = ids
         # kept at its size: orjson's bytes hold up to 3 times their length
@@ -47,6 +51,8 @@ class _Kept:
         return self.buf.nbytes + self.text_bytes
 
     def extends(self, ids: np.ndarray) -> bool:
+        if self.ref is not None and known_prefix(self.ref, ids):
+            return True
         return self.n <= ids.size and np.array_equal(self.buf[: self.n], ids[: self.n])
 
     def append(self, tail: np.ndarray) -> None:
@@ -85,6 +91,7 @@ class IdsJson:
             if kept.extends(ids):
                 if ids.size > kept.n:
                     kept.append(ids[kept.n :])
+                kept.ref = ids if is_chain(ids) else None
                 self.reused += 1
             else:
                 kept = None

@@ -42,7 +42,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from tokenization import ChatFormat, Message
+from tokenization import ChatFormat, Message, id_chain
 from tokenization.bridge import as_list
 from tokenization.conversation import HistoryHash, HistoryHashes
 from tokenization.vision import ImageError
@@ -312,7 +312,7 @@ def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int,
     if spec is not None:  # the parent's images stay where they are; the new messages' follow
         base = len(prev_prompt) + len(prev_output)
         images = lookup.turn_images(found.turn_id) + _place(res.ids, msgs[last_asst + 1 :], spec, base=base)
-    prompt = np.concatenate((np.asarray(prev_prompt, np.int32), np.asarray(prev_output, np.int32), np.asarray(res.ids, np.int32)))
+    prompt = id_chain.join(prev_prompt, prev_output, res.ids)  # appended after the parent's ids, not copied
     return Plan(session_id, prompt, found.turn_id, True, None, ambiguous=ambiguous,
                 bridge_s=bridge_s, history_edits=edits, images=images)  # fmt: skip
 

@@ -86,6 +86,8 @@ def unpack_proximal(
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.size, b.size)
+    if a.dtype == b.dtype and a.flags.c_contiguous and b.flags.c_contiguous and a.ctypes.data == b.ctypes.data:
+        return n  # the same memory (a spliced prompt and its parent's ids share one id chain)
     if np.array_equal(a[:n], b[:n]):  # the usual case (a splice): one vectorised pass, no copies
         return n
     diff = np.flatnonzero(a[:n] != b[:n])

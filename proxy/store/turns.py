@@ -21,6 +21,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 import orjson
 
+from tokenization import id_chain
+
 from .db import Database
 from .errors import Conflict, NotFound
 from .fingerprints import Candidate, find_candidates, insert_fingerprints
@@ -224,7 +226,7 @@ class TurnTable:
             if len(self._sampling_ids) < 4096:  # committed: the id is real (kept at its size: orjson's bytes hold 4 KB)
                 self._sampling_ids[bytes(memoryview(sampling))] = done["sampling_id"]
             # Only after COMMIT: a rolled-back seq may be reused by another turn.
-            self._full_ids.put(done["seq"], np.concatenate([prompt, out]))
+            self._full_ids.put(done["seq"], id_chain.join(prompt, out))  # a spliced prompt: out appended in place
             self._known.put(turn.turn_id, (done["seq"], len(prompt), turn.role))
             if done["resp_seq"] is not None:
                 self.responses.remember(done["resp_seq"], response.conversation)

@@ -18,6 +18,7 @@ from engines.ids_json import MAX_PIECES, IdsJson
 from engines.json_body import JsonPieces, content_bytes, content_length, encode_body
 from engines.sglang import SGLangClient
 from engines.types import SamplingParams
+from tokenization import id_chain
 
 
 def _body_ids(value) -> list[int]:
@@ -143,3 +144,18 @@ def test_vllm_wire_carries_the_exact_ids_turn_after_turn():
     client, bodies = asyncio.run(go())
     assert [b["prompt"] for b in bodies] == [prompt.tolist(), second.tolist()]
     assert client.ids_json.reused == 1
+
+
+def test_a_spliced_prompt_on_an_id_chain_is_known_to_extend_without_a_compare():
+    """The proxy's prompts are views of one id chain (tokenization/id_chain.py): a prompt that
+    starts where the previous one did extends it by construction, so the kept copy is not read."""
+    enc = IdsJson(min_ids=4)
+    prompt = id_chain.join(np.arange(5000, dtype=np.int32) % 1500)
+    enc("s", prompt)
+    kept = enc._last["s"]
+    kept.buf[:10] = -1  # were the kept ids compared, this would force a full rewrite
+    full = id_chain.join(prompt, [5, 6])
+    nxt = id_chain.join(full[:5000], full[5000:], [198, 42])  # the next turn: prompt + output + bridge
+    assert _body_ids(enc("s", nxt)) == nxt.tolist() and enc.reused == 1
+    sibling = id_chain.join(full[:5000], full[5000:], [7])  # a copy: known only by comparing
+    assert _body_ids(enc("s", sibling)) == sibling.tolist() and enc.reused == 1
