@@ -77,7 +77,7 @@ def add_parser(sub) -> None:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """utime+stime of ``pid``, its reaped children, and its live descendants (uvicorn/gunicorn workers)."""
+    """CPU seconds of ``pid``, its reaped children, and its live descendants (uvicorn/gunicorn workers)."""
     tick = os.sysconf("SC_CLK_TCK")
     stats: dict[int, tuple[int, list[str]]] = {}
     for d in os.listdir("/proc"):
@@ -94,9 +94,13 @@ def _cpu_seconds(pid: int) -> float:
         if p not in stats:
             continue
         f = stats[p][1]
-        total += int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])  # utime stime cutime cstime
+        try:  # the process's own CPU clock, all its threads (exited ones too), to the nanosecond
+            total += time.clock_gettime(((~p) << 3) | 2)  # Linux: MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+        except OSError:  # utime stime: 10 ms ticks (a phase of 120 turns at 1.5 ms each reads +-6%)
+            total += (int(f[11]) + int(f[12])) / tick
+        total += (int(f[13]) + int(f[14])) / tick  # cutime cstime: reaped children
         todo += [q for q, (pp, _) in stats.items() if pp == p]
-    return total / tick
+    return total
 
 
 _METRIC = re.compile(r'^(splice_(?:stage|engine|proxy)_seconds|splice_commit_group_turns)_(sum|count)(?:\{stage="(\w+)"\})? ([0-9.eE+-]+)$')

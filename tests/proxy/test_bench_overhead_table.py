@@ -29,3 +29,25 @@ def test_nothing_is_printed_without_litellm(capsys):
     runs = [{"concurrency": 1, "direct_chat": _phase(300, 4000, 0.25), "splice": _phase(300, 200, 5.0, 4.0)}]
     _print_against_litellm(runs, format_table)
     assert capsys.readouterr().out == ""
+
+
+def test_cpu_seconds_read_a_process_tree_to_the_millisecond():
+    """The reference: the process's own CPU clock (``time.process_time``), printed when it is done
+    burning about 0.3 s of CPU in two threads."""
+    import subprocess
+    import sys
+
+    from proxy.bench.overhead import _cpu_seconds
+
+    code = ("import threading, time\n"
+            "def burn():\n    t = time.thread_time()\n    while time.thread_time() - t < 0.15: pass\n"
+            "ts = [threading.Thread(target=burn) for _ in range(2)]\n[t.start() for t in ts]\n[t.join() for t in ts]\n"
+            "print(time.process_time(), flush=True)\ninput()\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        own = float(proc.stdout.readline())
+        measured = _cpu_seconds(proc.pid)
+    finally:
+        proc.communicate("\n")
+    assert own > 0.25
+    assert abs(measured - own) < 0.005 or abs(measured - own) / own < 0.02
