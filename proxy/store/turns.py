@@ -78,7 +78,10 @@ class TurnTable:
         self.sessions = sessions
         self.responses = responses
         self.clock = clock
-        self._full_ids = LRU(4_000_000)  # turn seq -> prompt+output ids (int32 array)
+        # turn seq -> prompt+output ids: read-only views of id chains (tokenization/id_chain.py), so
+        # a session's turns share one buffer; counted by length (a buffer's spare room, at most a
+        # quarter more plus 64 ids, is not)
+        self._full_ids = LRU(4_000_000)
         # turn id -> (seq, n_prompt, role), written once, read for every next turn's parent: its
         # ids are found in ``_full_ids`` without a query, and its role without reading a wide row
         # (the column sits past its token arrays' overflow pages)
