@@ -55,4 +55,4 @@ def content_length(content: Content | None) -> int:
         return 0
     if isinstance(content, bytes):
         return len(content)
-    return sum(len(p) for p in content)
+    return sum(map(len, content))
