@@ -13,6 +13,7 @@ comparison, which windows of a run measured one after the other do not.
 from __future__ import annotations
 
 import socket
+import time
 
 import orjson
 
@@ -115,6 +116,25 @@ class _Messages(_Chat):
 _CLIENTS = {"chat": _Chat, "responses": _Responses, "messages": _Messages}
 
 
+def alternate(chat: _Chat, pid: int, cpu_seconds, groups: dict, rounds: int, *, block: int = 4, before_round=None) -> tuple[dict, dict]:
+    """Proxy CPU seconds and turns timed per group of sessions: ``rounds`` rounds, each a block of
+    ``block`` turns of every session of each group, the groups' order reversed every round.
+    ``before_round(r)`` may replace groups first (fresh sessions), untimed."""
+    cpu = {k: 0.0 for k in groups}
+    n = {k: 0 for k in groups}
+    for r in range(rounds):
+        if before_round is not None:
+            before_round(r)
+        for kind in list(groups) if r % 2 == 0 else list(groups)[::-1]:
+            c0 = cpu_seconds(pid)
+            for _ in range(block):
+                for msgs in groups[kind]:
+                    chat.turn(msgs, len(msgs) // 2)
+            cpu[kind] += cpu_seconds(pid) - c0
+            n[kind] += block * len(groups[kind])
+    return cpu, n
+
+
 def run_growth(port: int, pid: int, turns: int, sessions: int, rounds: int, cpu_seconds, api: str = "chat") -> dict:
     """CPU per turn on sessions of ``turns`` turns against fresh ones, in alternating blocks."""
     chat = _CLIENTS[api](port)
@@ -124,25 +144,49 @@ def run_growth(port: int, pid: int, turns: int, sessions: int, rounds: int, cpu_
             for msgs in long:
                 chat.turn(msgs, t)
         grown = len(long[0])
-        cpu = {"short": 0.0, "long": 0.0}
-        n = {"short": 0, "long": 0}
-        for r in range(rounds):
-            short = [chat.session(f"short {api} {r}.{s}") for s in range(sessions)]
+        groups = {"short": [], "long": long}
+
+        def fresh(r: int) -> None:
+            groups["short"] = [chat.session(f"short {api} {r}.{s}") for s in range(sessions)]
             for t in range(2):  # a full render and the first splice, untimed
-                for msgs in short:
+                for msgs in groups["short"]:
                     chat.turn(msgs, t)
-            for kind, group in (("short", short), ("long", long)) if r % 2 == 0 else (("long", long), ("short", short)):
-                c0 = cpu_seconds(pid)
-                for _ in range(4):
-                    for msgs in group:
-                        chat.turn(msgs, len(msgs) // 2)
-                cpu[kind] += cpu_seconds(pid) - c0
-                n[kind] += 4 * len(group)
+
+        cpu, n = alternate(chat, pid, cpu_seconds, groups, rounds, before_round=fresh)
     finally:
         chat.close()
     return {"api": api, "turns": turns, "sessions": sessions, "rounds": rounds, "long_items": [grown, len(long[0])],
             "short_ms": cpu["short"] / n["short"] * 1e3, "long_ms": cpu["long"] / n["long"] * 1e3,
             "turns_timed": n}  # fmt: skip
+
+
+def run_history(port: int, pid: int, docs: dict[int, str], sessions: int, rounds: int, cpu_seconds) -> dict:
+    """CPU per turn on sessions whose first message carries each history (``docs``: tokens ->
+    text, 0 for none), in alternating blocks: the ratio to the short history is of the same
+    moments of the machine. Each session's first turn (the whole history rendered) is untimed."""
+    chat = _Chat(port)
+    try:
+        groups = {}
+        for size, doc in docs.items():
+            groups[size] = []
+            for s in range(sessions):
+                msgs = chat.session(f"history {size} {s} {time.time_ns()}")
+                if doc:
+                    msgs[-1]["content"] += "\n\nThe file to work on:\n" + doc
+                chat.turn(msgs, 0)
+                groups[size].append(msgs)
+        cpu, n = alternate(chat, pid, cpu_seconds, groups, rounds)
+    finally:
+        chat.close()
+    return {"sessions": sessions, "rounds": rounds, "turns_timed": n, "ms": {k: cpu[k] / n[k] * 1e3 for k in cpu}}
+
+
+def print_history(h: dict, measured: dict[int, int]) -> None:
+    short = h["ms"].get(0)
+    print(f"\nThe same sizes in alternating blocks ({h['rounds']} rounds of 4 turns of each of {h['sessions']} fresh "
+          "session(s) per size, the order reversed every round): the ratio compares the same moments of the machine.")
+    rows = [[f"{measured.get(k, k):,}", h["turns_timed"][k], f"{ms:.2f}", f"{ms / short:.2f}" if short else ""] for k, ms in h["ms"].items()]
+    print(format_table(["history tokens", "turns timed", "proxy CPU ms/turn", "x short"], rows))
 
 
 def print_growth(g: dict) -> None:

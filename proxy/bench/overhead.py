@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
                         "header-less so the history is matched, beside the same turns on a short history")
     p.add_argument("--history-turns", type=int, default=8, help="turns per long session (the first, untimed, carries the history)")
     p.add_argument("--history-sessions", type=int, default=3, help="long sessions per phase (one at a time)")
+    p.add_argument("--history-rounds", type=int, default=6,
+                   help="with --history: then rounds of alternating blocks, 4 turns of fresh sessions of every size "
+                        "(--history-sessions each), for a ratio to the short history measured at the same moments (0: none)")
     p.add_argument("--growth", type=int, default=0, metavar="TURNS",
                    help="session-growth phase: CPU per turn on sessions grown to TURNS turns of short messages "
                         "against fresh ones, in alternating blocks")
@@ -350,6 +353,7 @@ def run(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="splice_bench_overhead_")
     runs: list[dict] = []
     history: list[dict] = []
+    history_ab: dict | None = None
     growth: list[dict] = []
     stall: list[dict] = []
     litellm_note = "skipped (--no-litellm)"
@@ -406,6 +410,12 @@ def run(args) -> dict:
             stall = stall_phases(args, splice_target, base, _document(tok, args.stall), tmp, procs[0].pid, _phase, _shape)
         second = _history_target(tmp, surl, tok_dir, procs) if args.history or args.growth else None
         history = _history_phases(args, tok, base, second, tmp) if args.history else []
+        if args.history and args.history_rounds > 0:
+            from .growth import run_history
+
+            print(f"history, alternating blocks: {args.history_rounds} rounds ...", flush=True)
+            history_ab = run_history(second["spec"]["port"], second["pid"], {n: _document(tok, n) for n in [0, *args.history]},
+                                     args.history_sessions, args.history_rounds, _cpu_seconds)  # fmt: skip
         if args.growth:
             from .growth import run_growth
 
@@ -435,17 +445,21 @@ def run(args) -> dict:
         print_stall(stall, args)
     if history:
         _print_history(history)
+    if history_ab:
+        from .growth import print_history
+
+        print_history(history_ab, {r["history_tokens"]: r["history_tokens_measured"] for r in history})
     if growth:
         from .growth import print_growth
 
         for g in growth:
             print_growth(g)
     return {"bench": "overhead", "output_tokens_per_turn": len(out_ids), "cpu_count": os.cpu_count(), "history": history,
-            "growth": growth, "stall": stall,
+            "history_alternating": history_ab, "growth": growth, "stall": stall,
             "litellm": litellm_note, "targets": {t["key"]: t["label"] for t in targets}, "runs": runs,
             "method": "zero-latency stand-in; load generator, stand-in and each proxy in separate processes on one machine; "
-                      "latency measured by the load generator; CPU from /proc utime+stime (+children) around each phase, "
-                      f"in ticks of 1/{os.sysconf('SC_CLK_TCK')} s; "
+                      "latency measured by the load generator; CPU from each process's CPU clock (+children) around "
+                      "each phase; "
                       "Splice stages from /metrics sum/count deltas per phase"}
 
 

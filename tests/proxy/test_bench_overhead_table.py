@@ -51,3 +51,30 @@ def test_cpu_seconds_read_a_process_tree_to_the_millisecond():
         proc.communicate("\n")
     assert own > 0.25
     assert abs(measured - own) < 0.005 or abs(measured - own) / own < 0.02
+
+
+def test_alternating_blocks_charge_each_group_its_own_turns_and_swap_the_order():
+    """``alternate`` (the growth and history phases): a fake proxy whose CPU clock advances by a
+    known cost per turn of each group; each group must come out at exactly its cost."""
+    from proxy.bench.growth import alternate
+
+    clock = {"s": 0.0, "block_start": False}
+    order: list[str] = []
+
+    class Chat:
+        def turn(self, msgs, t):
+            clock["s"] += {"short": 0.001, "long": 0.003}[msgs[0]]
+            if clock["block_start"]:  # the first turn after a clock reading opens a block
+                order.append(msgs[0])
+                clock["block_start"] = False
+            msgs.append(msgs[0])
+
+    def cpu_seconds(pid):
+        clock["block_start"] = True
+        return clock["s"]
+
+    groups = {"short": [["short"], ["short"]], "long": [["long"]]}
+    cpu, n = alternate(Chat(), 0, cpu_seconds, groups, rounds=3)
+    assert n == {"short": 24, "long": 12}
+    assert abs(cpu["short"] / n["short"] - 0.001) < 1e-12 and abs(cpu["long"] / n["long"] - 0.003) < 1e-12
+    assert order == ["short", "long", "long", "short", "short", "long"]
