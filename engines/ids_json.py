@@ -6,12 +6,13 @@ as JSON costs about 0.5 ms here, every turn. Instead each session keeps its last
 text as pieces, and a turn that extends the prompt adds one piece for the new ids: the body goes
 out as those pieces (``JsonPieces``, engines/json_body.py), with no copy of the long text.
 
-Every reuse is checked: the previous ids (a private copy, grown in place like a list) must equal
-the new prompt's prefix, else the ids are written in full. A prompt that is a view of an id chain
-(tokenization/id_chain.py, as the proxy's spliced prompts are) and starts where the previous one
-did is known to extend it without the compare: a chain's ids are never written twice. Short prompts and calls without a
-session key are written as they are. Memory is bounded (ids plus JSON bytes, least recently used
-dropped first); a session's pieces are joined into one when they pass ``MAX_PIECES``.
+Every reuse is checked: the previous ids must equal the new prompt's prefix, else the ids are
+written in full. The proxy's prompts are views of id chains (tokenization/id_chain.py), whose
+ids are never written twice: such a prompt is kept as it is, and one that starts where it did
+is known to extend it without a compare. Other arrays are kept as a private copy, grown in place
+like a list, and compared. Short prompts and calls without a session key are written as they
+are. Memory is bounded (ids plus JSON bytes, least recently used dropped first); a session's
+pieces are joined into one when they pass ``MAX_PIECES``.
 """
 
 from __future__ import annotations
@@ -32,37 +33,48 @@ _CLOSE = b"]"
 
 
 class _Kept:
-    """One session's last prompt: its ids (``buf[:n]``, spare room after) and its JSON text
-    without the closing bracket, in pieces."""
+    """One session's last prompt: its ids and its JSON text without the closing bracket, in
+    pieces. The ids are the caller's own array when it is an id chain's (it cannot change),
+    else a private copy (``buf[:n]``, spare room after)."""
 
     __slots__ = ("buf", "n", "pieces", "text_bytes", "ref")
 
     def __init__(self, ids: np.ndarray):
-        self.n = ids.size
-        self.ref = ids if is_chain(ids) else None  # the caller's array, when it cannot change
-        self.buf = np.empty(ids.size + ids.size // 4 + 64, dtype=ids.dtype)
-        self.buf[: self.n] = ids
+        self.n = 0
+        self.ref: np.ndarray | None = None
+        self.buf: np.ndarray | None = None
+        self.keep(ids)
         # kept at its size: orjson's bytes hold up to 3 times their length
         self.pieces = [bytes(memoryview(orjson.dumps(ids, option=_NUMPY))[:-1])]
         self.text_bytes = len(self.pieces[0])
 
     @property
     def nbytes(self) -> int:
-        return self.buf.nbytes + self.text_bytes
+        return (self.ref if self.ref is not None else self.buf).nbytes + self.text_bytes
 
     def extends(self, ids: np.ndarray) -> bool:
-        if self.ref is not None and known_prefix(self.ref, ids):
-            return True
+        if self.ref is not None:
+            return known_prefix(self.ref, ids) or (self.n <= ids.size and np.array_equal(self.ref, ids[: self.n]))
         return self.n <= ids.size and np.array_equal(self.buf[: self.n], ids[: self.n])
 
-    def append(self, tail: np.ndarray) -> None:
-        m = self.n + tail.size
-        if m > self.buf.size:  # grown by a quarter: a long session copies its ids rarely
-            buf = np.empty(m + m // 4 + 64, dtype=self.buf.dtype)
+    def keep(self, ids: np.ndarray) -> None:
+        """Keep ``ids``, which start with the ids kept so far."""
+        if is_chain(ids):
+            self.ref, self.buf, self.n = ids, None, ids.size
+            return
+        if self.buf is None or self.buf.dtype != ids.dtype:  # (a copy of the whole, once)
+            self.buf, self.n = np.empty(ids.size + ids.size // 4 + 64, dtype=ids.dtype), 0
+        elif ids.size > self.buf.size:  # grown by a quarter: a long session copies its ids rarely
+            buf = np.empty(ids.size + ids.size // 4 + 64, dtype=self.buf.dtype)
             buf[: self.n] = self.buf[: self.n]
             self.buf = buf
-        self.buf[self.n : m] = tail
-        self.n = m
+        self.buf[self.n : ids.size] = ids[self.n :]
+        self.ref, self.n = None, ids.size
+
+    def append(self, ids: np.ndarray) -> None:
+        """The JSON for ``ids``, which extend the kept ones, by its new tail."""
+        tail = ids[self.n :]
+        self.keep(ids)
         piece = b"," + orjson.dumps(tail, option=_NUMPY)[1:-1]
         self.pieces.append(piece)
         self.text_bytes += len(piece)
@@ -90,8 +102,9 @@ class IdsJson:
             self._bytes -= kept.nbytes
             if kept.extends(ids):
                 if ids.size > kept.n:
-                    kept.append(ids[kept.n :])
-                kept.ref = ids if is_chain(ids) else None
+                    kept.append(ids)
+                else:
+                    kept.keep(ids)
                 self.reused += 1
             else:
                 kept = None

@@ -9,6 +9,7 @@ import json
 import httpx
 import numpy as np
 import orjson
+import pytest
 import respx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,26 +28,33 @@ def _body_ids(value) -> list[int]:
 
 @settings(max_examples=150, deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["extend", "same", "new", "shorter", "edit"]),
-                                st.integers(0, 40)), min_size=1, max_size=12),
+                                st.integers(0, 40), st.booleans()), min_size=1, max_size=12),
        dtype=st.sampled_from([np.int32, np.int64]))  # fmt: skip
 def test_every_body_holds_exactly_the_prompt(steps, dtype):
+    """Arrays of the caller's own, and (int32) views of id chains as the proxy sends them: an
+    extension appended in place, the same view again, a shorter view, a sibling's copy."""
     enc = IdsJson(min_ids=8, max_bytes=4096)  # small: eviction happens along the way too
     last: dict[str, np.ndarray] = {}
     rng = np.random.default_rng(len(steps))
-    for key, how, n in steps:
+    for key, how, n, chain in steps:
+        chain = chain and dtype == np.int32
         prev = last.get(key, rng.integers(0, 151_000, 10, dtype=dtype))
         if how == "extend":
-            ids = np.concatenate([prev, rng.integers(0, 151_000, n, dtype=dtype)])
+            tail = rng.integers(0, 151_000, n, dtype=dtype)
+            ids = id_chain.join(prev, tail) if chain else np.concatenate([prev, tail])
         elif how == "same":
-            ids = prev.copy()
+            ids = prev if chain else prev.copy()
         elif how == "shorter":
-            ids = prev[: max(1, prev.size - n)].copy()
+            ids = prev[: max(1, prev.size - n)]
+            ids = ids if chain else ids.copy()
         elif how == "edit":  # same length, one id changed inside the old prefix
             ids = prev.copy()
             ids[n % ids.size] = (ids[n % ids.size] + 1) % 151_000
         else:
             ids = rng.integers(0, 151_000, 8 + n, dtype=dtype)
-        ids = ids.astype(dtype)
+        ids = ids if chain and how != "edit" else ids.astype(dtype)
+        if chain and how in ("new", "edit"):
+            ids = id_chain.join(ids)
         assert _body_ids(enc(key, ids)) == ids.tolist()
         last[key] = ids
 
@@ -146,16 +154,24 @@ def test_vllm_wire_carries_the_exact_ids_turn_after_turn():
     assert client.ids_json.reused == 1
 
 
-def test_a_spliced_prompt_on_an_id_chain_is_known_to_extend_without_a_compare():
-    """The proxy's prompts are views of one id chain (tokenization/id_chain.py): a prompt that
-    starts where the previous one did extends it by construction, so the kept copy is not read."""
+def test_a_spliced_prompt_on_an_id_chain_is_kept_as_it_is_and_known_to_extend_it(monkeypatch):
+    """The proxy's prompts are views of one id chain (tokenization/id_chain.py): the kept ids are
+    the prompt itself (no copy), and a next prompt that starts where it did extends it by
+    construction, so nothing is compared."""
     enc = IdsJson(min_ids=4)
     prompt = id_chain.join(np.arange(5000, dtype=np.int32) % 1500)
     enc("s", prompt)
     kept = enc._last["s"]
-    kept.buf[:10] = -1  # were the kept ids compared, this would force a full rewrite
+    assert kept.ref is prompt and kept.buf is None
     full = id_chain.join(prompt, [5, 6])
     nxt = id_chain.join(full[:5000], full[5000:], [198, 42])  # the next turn: prompt + output + bridge
-    assert _body_ids(enc("s", nxt)) == nxt.tolist() and enc.reused == 1
-    sibling = id_chain.join(full[:5000], full[5000:], [7])  # a copy: known only by comparing
+    with monkeypatch.context() as m:
+        m.setattr(np, "array_equal", lambda *a, **k: pytest.fail("the kept ids were compared"))
+        body = enc("s", nxt)
+    assert _body_ids(body) == nxt.tolist() and enc.reused == 1
+    assert enc._bytes == nxt.nbytes + sum(len(p) for p in kept.pieces)
+    sibling = id_chain.join(full[:5000], full[5000:], [7])  # a copy: not known, and not a prefix
     assert _body_ids(enc("s", sibling)) == sibling.tolist() and enc.reused == 1
+    resumed = np.concatenate([sibling, [9, 9]]).astype(np.int32)  # not a chain: compared, then copied
+    assert _body_ids(enc("s", resumed)) == resumed.tolist() and enc.reused == 2
+    assert enc._last["s"].ref is None and enc._last["s"].n == resumed.size
