@@ -53,9 +53,10 @@ class _Kept:
         return (self.ref if self.ref is not None else self.buf).nbytes + self.text_bytes
 
     def extends(self, ids: np.ndarray) -> bool:
-        if self.ref is not None:
-            return known_prefix(self.ref, ids) or (self.n <= ids.size and np.array_equal(self.ref, ids[: self.n]))
-        return self.n <= ids.size and np.array_equal(self.buf[: self.n], ids[: self.n])
+        if self.ref is not None and known_prefix(self.ref, ids):
+            return True
+        kept = self.ref if self.ref is not None else self.buf[: self.n]
+        return self.n <= ids.size and np.array_equal(kept, ids[: self.n])
 
     def keep(self, ids: np.ndarray) -> None:
         """Keep ``ids``, which start with the ids kept so far."""
