@@ -16,7 +16,9 @@ It also sends a response's head and body in one write (``OneSend``): uvicorn wri
 line and headers as soon as the app starts its response, so every JSON answer took two system
 calls and two TCP segments, and woke the client twice. And it keeps a request body as the pieces
 the parser gave (``BodyPieces``): uvicorn appended each to a bytearray and copied that into
-``bytes`` for the app, two copies of a 400 KB body at 100k tokens of history.
+``bytes`` for the app, two copies of a 400 KB body at 100k tokens of history. It stops reading
+a body only past ``BODY_HIGH_WATER`` buffered (uvicorn: 64 KB), so a long session's request
+comes in without a pause and resume per turn.
 
 Without httptools, uvicorn's h11 protocol is used with its header size limit.
 """
@@ -28,6 +30,10 @@ from typing import Any
 
 import orjson
 
+# Request body bytes a connection buffers before it stops reading until the app takes them.
+# uvicorn's 64 KB paused and resumed every turn past ~16k tokens of history (two epoll changes,
+# a second ``receive``); the guard reads a turn's whole body anyway, up to ``max_request_bytes``.
+BODY_HIGH_WATER = 4 << 20
 LINGER_S = 5.0  # how long a refused connection is read and dropped before it is closed
 LINGER_MAX_BYTES = 64 << 20
 
@@ -173,11 +179,16 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
             if self.cycle is not before:  # a request to answer (not an upgrade): its task has not run yet
                 self.cycle.transport = OneSend(self.transport, self.loop)
 
-        def on_body(self, body: bytes) -> None:
+        def on_body(self, body: bytes) -> None:  # uvicorn's, with BodyPieces and BODY_HIGH_WATER
             cycle = self.cycle
+            if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+                return
             if type(cycle.body) is not BodyPieces:  # a fresh cycle, or one ``receive`` just emptied
                 cycle.body = BodyPieces(cycle.body)
-            super().on_body(body)
+            cycle.body += body
+            if len(cycle.body) > BODY_HIGH_WATER:
+                self.flow.pause_reading()
+            cycle.message_event.set()
 
         def connection_lost(self, exc) -> None:
             self._cancel_timer()

@@ -15,7 +15,7 @@ import time
 import pytest
 import uvicorn
 
-from proxy.http_server import BodyPieces, server_options
+from proxy.http_server import BODY_HIGH_WATER, BodyPieces, server_options
 
 SEEN: list[tuple[int, bytes]] = []  # (receive calls, the body the app read)
 
@@ -69,7 +69,7 @@ def _expect(body: bytes) -> bytes:
 
 
 def test_bodies_in_one_piece_many_pieces_and_chunked_arrive_exact(port):
-    rnd = os.urandom(3 << 20)  # 3 MB: past uvicorn's high-water mark, so reading pauses and resumes
+    rnd = os.urandom(BODY_HIGH_WATER + (2 << 20))  # past the high-water mark: reading pauses and resumes
     piled = False
     with socket.create_connection(("127.0.0.1", port)) as c:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -93,6 +93,17 @@ def test_bodies_in_one_piece_many_pieces_and_chunked_arrive_exact(port):
         c.sendall(b"0\r\n\r\n")
         assert _answer(c) == _expect(rnd[:500_000])
     assert piled
+
+
+def test_a_body_below_the_high_water_mark_is_read_without_a_pause(port):
+    """1 MB sent at once while the app sleeps: the connection keeps reading (uvicorn's own mark,
+    64 KB, paused it after the first read), so the app's first receive has all of it."""
+    body = os.urandom(1 << 20)
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        SEEN.clear()
+        c.sendall(b"POST /x HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        assert _answer(c) == _expect(body)
+    assert SEEN == [(1, body)]
 
 
 def test_body_pieces_hands_one_piece_over_uncopied_and_joins_several():
