@@ -9,13 +9,12 @@ import asyncio
 import hashlib
 import os
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 
-from proxy.http_server import BODY_HIGH_WATER, BodyPieces, server_options
+from proxy.http_server import BODY_HIGH_WATER, BodyPieces
+from tests.proxy.asgi_server import serve
 
 SEEN: list[tuple[int, bytes]] = []  # (receive calls, the body the app read)
 
@@ -40,14 +39,7 @@ async def app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning", **server_options(65536, 10.0, 5.0))
-    server = uvicorn.Server(config)
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
+    server, port = serve(app)
     yield port
     server.should_exit = True
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from asyncio import selector_events
 
-import uvicorn
-
-from proxy.http_server import server_options
+from tests.proxy.asgi_server import serve
 
 WRITES: list[bytes] = []
 
@@ -41,15 +38,7 @@ def _serve(monkeypatch):
         return real(self, data)
 
     monkeypatch.setattr(selector_events._SelectorSocketTransport, "write", write)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning", **server_options(65536, 10.0, 5.0))
-    server = uvicorn.Server(config)
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, port
+    return serve(app)
 
 
 def _read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
