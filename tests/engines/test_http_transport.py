@@ -114,11 +114,32 @@ async def _ok(request):
     return JSONResponse({"ok": True})
 
 
+def _until_the_server_closed(client, limit_s: float = 30.0) -> None:
+    """Block until every idle connection's socket reads end-of-file: the server has closed it.
+    The event loop does not run meanwhile, so the client has not noticed (as a busy caller would
+    not). A fixed stall raced the server's keep-alive timer on a loaded machine."""
+    import os
+    import select
+    import socket
+    import time
+
+    deadline = time.monotonic() + limit_s
+    idle = [conn for conns in client._transport._idle.values() for conn in conns]
+    assert idle, "no idle connection to wait on"
+    for conn in idle:
+        with socket.socket(fileno=os.dup(conn.transport.get_extra_info("socket").fileno())) as sock:
+            while True:
+                assert time.monotonic() < deadline, "the server kept the idle connection open"
+                if select.select([sock], [], [], 0.05)[0] and sock.recv(1, socket.MSG_PEEK) == b"":
+                    break
+
+
 def _call_twice_with_a_stall(call, stall_s: float, server_keepalive_s: float = 5,
-                             client_keepalive_s: float = KEEPALIVE_S):
+                             client_keepalive_s: float = KEEPALIVE_S, until_closed: bool = False):
     """``call(client, url)``, then block the event loop for ``stall_s`` (as a busy caller does),
-    then ``call`` again on the same client; the second call's result. The server is uvicorn
-    (default keep-alive 5 s), as vLLM's and SGLang's are."""
+    and with ``until_closed`` until the server has closed the connection, then ``call`` again on
+    the same client; the second call's result. The server is uvicorn (default keep-alive 5 s),
+    as vLLM's and SGLang's are."""
     import time
 
     from starlette.applications import Starlette
@@ -134,6 +155,8 @@ def _call_twice_with_a_stall(call, stall_s: float, server_keepalive_s: float = 5
         async with httpx.AsyncClient(transport=EngineTransport(keepalive_s=client_keepalive_s)) as client:
             await call(client, url)
             time.sleep(stall_s)
+            if until_closed:
+                _until_the_server_closed(client)
             return await call(client, url)
 
     try:
@@ -151,8 +174,8 @@ async def _raw_post(client, url) -> bytes:
         reply.close()
 
 
-def _two_posts_with_a_stall(stall_s: float, **keepalives) -> bytes:
-    return _call_twice_with_a_stall(_raw_post, stall_s, **keepalives)
+def _two_posts_with_a_stall(stall_s: float, **options) -> bytes:
+    return _call_twice_with_a_stall(_raw_post, stall_s, **options)
 
 
 def test_a_connection_the_engine_closed_while_idle_is_not_reused():
@@ -165,14 +188,14 @@ def test_a_client_keep_alive_longer_than_the_servers_loses_the_post():
     """Why the client's keep-alive is the shorter one: the other way round, the second POST is
     written on a connection the server has closed, and aiohttp does not retry a POST."""
     with pytest.raises(httpx.RemoteProtocolError):
-        _two_posts_with_a_stall(1.0, server_keepalive_s=0.5, client_keepalive_s=2.0)
+        _two_posts_with_a_stall(0.5, server_keepalive_s=0.5, client_keepalive_s=30.0, until_closed=True)
     assert orjson.loads(_two_posts_with_a_stall(1.0, server_keepalive_s=0.5, client_keepalive_s=0.3)) == {"ok": True}
 
 
 def _second_call_after_the_server_closed(call) -> None:
-    """The server's keep-alive (0.5 s) shorter than the client's (2 s): the second call's request
+    """The server's keep-alive (0.5 s) shorter than the client's (30 s): the second call's request
     goes out on the connection the server has just closed."""
-    _call_twice_with_a_stall(call, 1.0, server_keepalive_s=0.5, client_keepalive_s=2.0)
+    _call_twice_with_a_stall(call, 0.5, server_keepalive_s=0.5, client_keepalive_s=30.0, until_closed=True)
 
 
 def test_an_idempotent_call_is_retried_on_a_connection_the_engine_closed():
@@ -352,7 +375,8 @@ def test_transport_failures_map_to_the_errors_the_pool_fails_over_on():
                                (garbage, EngineUnavailable, "malformed reply"),
                                (silent, EngineTimeout, ""),
                                (not_json, EngineBadResponse, "malformed JSON")):  # fmt: skip
-        exc = _one_call(script, timeout=0.5)
+        # only the silent server is meant to outlast the deadline; the others answer at once
+        exc = _one_call(script, timeout=0.5 if script is silent else 10)
         assert isinstance(exc, kind) and text in str(exc), (script.__name__, exc)
 
     async def refused():
