@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from proxy.http_server import BODY_HIGH_WATER, BodyPieces
-from tests.proxy.asgi_server import serve
+from proxy.http_server import BODY_HIGH_WATER, BodyPieces, server_options
+from tests.fakes.serve import serve_in_thread
 
 SEEN: list[tuple[int, bytes]] = []  # (receive calls, the body the app read)
 
@@ -39,9 +39,9 @@ async def app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def port():
-    server, port = serve(app)
-    yield port
-    server.should_exit = True
+    url, stop = serve_in_thread(app, loop="asyncio", **server_options(65536, 10.0, 5.0))
+    yield int(url.rsplit(":", 1)[1])
+    stop()
 
 
 def _answer(sock: socket.socket) -> bytes:

@@ -9,7 +9,8 @@ import socket
 import time
 from asyncio import selector_events
 
-from tests.proxy.asgi_server import serve
+from proxy.http_server import server_options
+from tests.fakes.serve import serve_in_thread
 
 WRITES: list[bytes] = []
 
@@ -38,7 +39,8 @@ def _serve(monkeypatch):
         return real(self, data)
 
     monkeypatch.setattr(selector_events._SelectorSocketTransport, "write", write)
-    return serve(app)
+    url, stop = serve_in_thread(app, loop="asyncio", **server_options(65536, 10.0, 5.0))
+    return stop, int(url.rsplit(":", 1)[1])
 
 
 def _read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
@@ -53,7 +55,7 @@ def _read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
 
 
 def test_a_json_answer_is_one_write_and_a_stream_head_is_not_held(monkeypatch):
-    server, port = _serve(monkeypatch)
+    stop, port = _serve(monkeypatch)
     try:
         with socket.create_connection(("127.0.0.1", port)) as c:
             for _ in range(2):  # keep-alive: the second answer on the same connection too
@@ -71,4 +73,4 @@ def test_a_json_answer_is_one_write_and_a_stream_head_is_not_held(monkeypatch):
             assert b"data: 1\n\n" in head + rest
             assert len(WRITES) == 3 and WRITES[0] == head  # the head alone, then the event, then the end
     finally:
-        server.should_exit = True
+        stop()
