@@ -22,8 +22,9 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 
+from .overhead import _cpu_seconds
+from .stack import wait_http
 from .tables import format_table
 
 SERVER = """
@@ -65,16 +66,10 @@ def measure(src: str, size: int, requests: int, *, default_malloc: bool = False)
     env = dict(os.environ) if default_malloc else {**os.environ, **FIXED_MALLOC}
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), os.path.abspath(src)], env=env)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                conn = socket.create_connection(("127.0.0.1", port))
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit(f"the server from {src} did not start")
-                time.sleep(0.05)
-        with conn:
+        why = wait_http(f"http://127.0.0.1:{port}/", proc, timeout=30)
+        if why is not None:
+            raise SystemExit(f"the server from {src} did not start: {why}")
+        with socket.create_connection(("127.0.0.1", port)) as conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             body = b'{"input":"' + b"x" * max(0, size - 12) + b'"}'
             request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
@@ -92,11 +87,10 @@ def measure(src: str, size: int, requests: int, *, default_malloc: bool = False)
 
             for _ in range(min(200, requests)):  # warm-up
                 one()
-            clock = ((~proc.pid) << 3) | 2  # the server process's CPU clock (CPUCLOCK_SCHED)
-            f0, t0 = _faults(proc.pid), time.clock_gettime(clock)
+            f0, t0 = _faults(proc.pid), _cpu_seconds(proc.pid)
             for _ in range(requests):
                 one()
-            t1, f1 = time.clock_gettime(clock), _faults(proc.pid)
+            t1, f1 = _cpu_seconds(proc.pid), _faults(proc.pid)
         return (t1 - t0) / requests * 1e6, (f1 - f0) / requests
     finally:
         proc.terminate()
