@@ -26,7 +26,7 @@ from ..errors import APIError, bad_request
 from ..ids import call_id, chat_completion_id
 from ..session import Presentation, TurnResult, TurnRunner
 from .content import check_tool_choice, message_of, offer_tools, text_of, tool_choice_control
-from .context import DialectContext, conversation_of, turn_request
+from .context import DialectContext, conversation_of, header_map, turn_request
 from .images import ImageInput, ImageRequest
 from .history_memo import ConvertItem, Found, HistoryMemo, convert, read_body
 from .jsonio import JSONResponse, body_schema, build, dumps, validate
@@ -335,9 +335,10 @@ def chat_router(runner: TurnRunner, images: ImageInput | None = None, memo: Hist
 
     @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def post_chat(request: Request):
-        body, found = read_body(await request.body(), memo, "chat", conversation_of(request.headers))
+        headers = header_map(request)
+        body, found = read_body(await request.body(), memo, "chat", conversation_of(headers))
         req_images = await images.prepare(body) if images is not None else None
-        ctx = build(build_chat_context, body, request.headers, runner, req_images, memo, found)
+        ctx = build(build_chat_context, body, headers, runner, req_images, memo, found)
         if not ctx.req.stream:
             result = await run_turn(runner, ctx.turn, request)
             return JSONResponse(result.encoded, headers=splice_headers(result))

@@ -24,6 +24,13 @@ CLIENT_SESSION_HEADERS = ("session-id", "session_id", "conversation_id", "conver
 _CLAUDE_USER_SESSION = re.compile(r"_session_([0-9a-fA-F-]{8,64})$")
 
 
+def header_map(request) -> dict[str, str]:
+    """A request's headers by name (ASGI names are lower-case), the first value of each, decoded
+    once: a turn asks for about a dozen, and starlette's ``Headers.get`` scans and decodes the
+    whole list for each."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(request.scope["headers"])}
+
+
 def client_session(headers, metadata: dict[str, Any] | None = None) -> str | None:
     """The conversation id a known client sends on its own, used when no session is named.
 

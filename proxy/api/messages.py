@@ -24,7 +24,7 @@ from tokenization.conversation import Message, ToolCall
 from ..errors import APIError, bad_request
 from ..session import TurnRunner
 from .content import ToolSet, offer_tools, parts_of, text_of
-from .context import conversation_of, turn_request
+from .context import conversation_of, header_map, turn_request
 from .images import ImageInput, ImageRequest
 from .history_memo import ConvertItem, Found, HistoryMemo, convert, read_body
 from .jsonio import JSONResponse, body_schema, build, parse_json_body, validate
@@ -279,11 +279,11 @@ def messages_router(runner: TurnRunner, images: ImageInput | None = None, memo: 
     @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
     async def post_message(request: Request):
         try:
-            h = request.headers
-            body, found = read_body(await request.body(), memo, "messages", conversation_of(h),
+            headers = header_map(request)
+            body, found = read_body(await request.body(), memo, "messages", conversation_of(headers),
                                     lambda b: _head(b.get("system")))  # fmt: skip
             req_images = await images.prepare(body) if images is not None else None
-            ctx = build(build_messages_context, body, request.headers, runner, req_images, memo, found)
+            ctx = build(build_messages_context, body, headers, runner, req_images, memo, found)
             if not ctx.req.stream:
                 result = await run_turn(runner, ctx.turn, request)
                 return JSONResponse(result.encoded, headers=splice_headers(result))

@@ -28,7 +28,7 @@ from ..session import TurnRunner
 from .content import (
     ToolSet, check_tool_choice, custom_arguments, message_of, name_tool_messages, offer_tools, text_of, tool_choice_control,
 )  # fmt: skip
-from .context import check_id, conversation_of, turn_request
+from .context import check_id, conversation_of, header_map, turn_request
 from .images import ImageInput, ImageRequest
 from .history_memo import NOT_KEPT, Found, HistoryMemo, convert, read_body
 from .jsonio import JSONResponse, body_schema, build, validate
@@ -363,9 +363,10 @@ def responses_router(runner: TurnRunner, store: ResponseReader, images: ImageInp
 
     @router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
     async def post_response(request: Request):
-        body, found = read_body(await request.body(), memo, "responses", conversation_of(request.headers), memo_head, "input")
+        headers = header_map(request)
+        body, found = read_body(await request.body(), memo, "responses", conversation_of(headers), memo_head, "input")
         req_images = await images.prepare(body) if images is not None else None
-        ctx = build(build_context, body, request.headers, runner, store, req_images, memo, found)
+        ctx = build(build_context, body, headers, runner, store, req_images, memo, found)
         if ctx.compaction_trigger and ctx.req.stream:  # one item, known once the summary is done
             result = await run_turn(runner, ctx.turn, request)
             frames = compact.trigger_events(response_skeleton(ctx, result.turn_id), result.body)
