@@ -134,6 +134,28 @@ def clean_logprob(value: Any) -> float:
     return x
 
 
+# Below this many values a list comprehension is cheaper than numpy's fixed cost per call.
+VECTOR_MIN = 32
+
+
+def clean_logprobs(values: list) -> list[float]:
+    """``clean_logprob`` of each value, in one numpy pass for a long list (a reply of a thousand
+    tokens, a prefill of 100k): the per-value Python calls were a fifth of a long turn's CPU.
+    ``float64`` holds every wire float exactly; ``None`` becomes NaN and then the floor."""
+    if len(values) < VECTOR_MIN:
+        return [clean_logprob(v) for v in values]
+    try:
+        a = np.array(values, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        return [clean_logprob(v) for v in values]  # raises for the bad value as it always did
+    if a.ndim != 1:
+        return [clean_logprob(v) for v in values]
+    bad = np.isnan(a) | (a < NEG_INF_LOGPROB)
+    if bad.any():
+        a[bad] = NEG_INF_LOGPROB
+    return a.tolist()
+
+
 def vocab_bound(tokenizer) -> int:
     """How many token ids the served model can sample: the tokenizer's ids, or the model's
     (padded) embedding rows when its ``config.json`` sits next to the tokenizer; ids in between

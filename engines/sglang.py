@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
+from operator import itemgetter
 from typing import Any, Sequence
 
 import httpx
+import numpy as np
 
 from engines.client import TokensCallback, model_card, positive_int, prefill_values
-from engines.http import Http, clean_logprob, deadline, expect_dict, token_list, weight_version_spans
+from engines.http import Http, clean_logprobs, deadline, expect_dict, id_list, token_list, weight_version_spans
 from engines.ids_json import IdsJson
 from engines.images import check_spans, collapse, data_url, in_image, stop_and_ban
 from engines.resume import parse_version
@@ -98,26 +100,42 @@ def generate_payload(
     }
 
 
+_ENTRY_TYPES = {list, tuple}
+_LOGPROB, _TOKEN = itemgetter(0), itemgetter(1)
+
+
 def _triples(meta: dict, key: str, replica: str) -> list:
     value = meta.get(key)
     if value is None:
         return []
     if not isinstance(value, list):
         raise EngineBadResponse(f"{replica}: meta_info.{key} is not a list", replica=replica)
+    if set(map(type, value)) <= _ENTRY_TYPES and min(map(len, value), default=2) >= 2:
+        return value  # every entry checked in C: the usual reply, however long
     for entry in value:
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
             raise EngineBadResponse(f"{replica}: malformed meta_info.{key} entry {entry!r}", replica=replica)
     return value
 
 
-def output_tokens(meta: dict, replica: str) -> tuple[list[int], list[float]]:
-    """Output ids and behaviour logprobs from ``[lp, id, null]`` triples."""
+def _token_ids(triples: list) -> list:
+    """The entries' token ids as they came (ints on the wire; anything else is the caller's to check)."""
+    return list(map(_TOKEN, triples))
+
+
+def output_tokens(meta: dict, replica: str, skip: int = 0) -> tuple[list[int], list[float]]:
+    """Output ids and behaviour logprobs from ``[lp, id, null]`` triples (from entry ``skip``:
+    a stream frame repeats every earlier token)."""
     triples = _triples(meta, "output_token_logprobs", replica)
-    try:
-        ids = [int(t[1]) for t in triples]
-    except (TypeError, ValueError):
-        raise EngineBadResponse(f"{replica}: non-integer token id in output_token_logprobs", replica=replica) from None
-    return ids, [clean_logprob(t[0]) for t in triples]
+    if skip:
+        triples = triples[skip:]
+    ids = _token_ids(triples)
+    if not set(map(type, ids)) <= {int}:
+        try:
+            ids = [int(t) for t in ids]
+        except (TypeError, ValueError):
+            raise EngineBadResponse(f"{replica}: non-integer token id in output_token_logprobs", replica=replica) from None
+    return ids, clean_logprobs(list(map(_LOGPROB, triples)))
 
 
 def input_logprobs(
@@ -138,15 +156,29 @@ def input_logprobs(
             f"{replica}: {len(triples)} input logprobs from position {start} exceed the prompt ({len(input_ids)})",
             replica=replica,
         )
-    out: list[float | None] = []
-    for j, (lp, tid, *_rest) in enumerate(triples):
-        if isinstance(tid, int) and tid != input_ids[start + j] and not (images and in_image(start + j, images)):
+    for j in _id_mismatches(_token_ids(triples), input_ids, start):
+        if not (images and in_image(start + j, images)):
+            tid = triples[j][1]
             raise EngineBadResponse(
                 f"{replica}: input logprob {j} is for token {tid}, expected {input_ids[start + j]} at position {start + j}",
                 replica=replica,
             )
-        out.append(None if (j == 0 and lp is None) else clean_logprob(lp))
+    raw = list(map(_LOGPROB, triples))
+    out: list[float | None] = clean_logprobs(raw)
+    if raw[0] is None:
+        out[0] = None
     return out
+
+
+def _id_mismatches(tids: list, input_ids, start: int) -> list[int]:
+    """Offsets ``j`` where an int id differs from ``input_ids[start + j]`` (others are not compared)."""
+    expected = id_list(input_ids[start : start + len(tids)])
+    if set(map(type, tids)) <= {int}:
+        if tids == expected:  # the usual reply: one C-level compare
+            return []
+        a, b = np.asarray(tids, dtype=np.int64), np.asarray(expected, dtype=np.int64)
+        return np.flatnonzero(a != b).tolist()
+    return [j for j, tid in enumerate(tids) if isinstance(tid, int) and tid != expected[j]]
 
 
 def check_expansion(meta: dict, input_ids: list[int], images: Sequence[EngineImage], replica: str) -> None:
@@ -266,10 +298,10 @@ class SGLangClient:
                 check_expansion(meta, input_ids, images, self.url)  # before any token is passed on
                 if meta.get("input_token_logprobs"):
                     seen_input = meta["input_token_logprobs"]
-                ids, lps = output_tokens(meta, self.url)  # cumulative (SGLang's default)
-                if len(ids) > emitted:
-                    await on_tokens(ids[emitted:], lps[emitted:])
-                    emitted = len(ids)
+                ids, lps = output_tokens(meta, self.url, skip=emitted)  # frames are cumulative (SGLang's default)
+                if ids:
+                    await on_tokens(ids, lps)
+                    emitted += len(ids)
                 last = frame
         if last is None:
             raise EngineBadResponse(f"{self.url}: empty /generate stream", replica=self.url)
