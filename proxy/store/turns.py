@@ -136,12 +136,13 @@ class TurnTable:
         open write connection, then ``committed()`` once that transaction has committed."""
         small = (turn.output_ids, turn.versions, turn.proximal_versions)
         if isinstance(turn.prompt_ids, np.ndarray) and turn.prompt_ids.dtype == I32 and all(type(x) is list for x in small):
-            # The usual turn: a spliced prompt, already int32, and a few dozen ids and versions as
-            # lists of ints, range-checked without numpy's fixed cost per call.
-            if not all(_in_i32(x) for x in small):
-                raise ValueError(f"turn {turn.turn_id}: ids and versions must fit in int32")
+            # The usual turn: a spliced prompt, already int32, and ids and versions as lists of
+            # ints, which numpy (2.x) range-checks as it converts them.
+            try:
+                out, versions, prox_versions = (np.array(x, dtype=I32) for x in small)
+            except OverflowError:
+                raise ValueError(f"turn {turn.turn_id}: ids and versions must fit in int32") from None
             prompt = turn.prompt_ids
-            out, versions, prox_versions = (np.array(x, dtype=I32) for x in small)
         else:
             out, versions, prox_versions = (np.asarray(x, dtype=np.int64) for x in small)
             prompt = np.asarray(turn.prompt_ids, dtype=np.int64)
@@ -534,10 +535,6 @@ def _halves(full: np.ndarray, n_prompt: int) -> tuple[np.ndarray, np.ndarray]:
     full = full.view()
     full.flags.writeable = False
     return full[:n_prompt], full[n_prompt:]
-
-
-def _in_i32(values: list) -> bool:
-    return not values or (-(2**31) <= min(values) and max(values) < 2**31)
 
 
 def _sampling_id(c, blob: bytes) -> int:
