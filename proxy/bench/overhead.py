@@ -31,7 +31,7 @@ from pathlib import Path
 from engines.reference.launch import free_port
 
 from .profile import start_profile, stop_profile, top_frames
-from .stack import REPLY_TEXT, start_splice, start_standin, wait_http
+from .stack import reply_ids, start_splice, start_standin, wait_http
 from .tables import format_table as _table
 from .workload import SYSTEM, TOOL, USER
 
@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
                         "(rendered in full) every --stall-pause seconds: how far one long render delays everyone else")
     p.add_argument("--stall-c", type=int, default=8, help="concurrency of the short turns in the --stall phases")
     p.add_argument("--stall-pause", type=float, default=0.25, help="seconds between long first turns in the --stall phase")
+    p.add_argument("--reasoning-tokens", type=int, default=0, metavar="N",
+                   help="the stand-in's reply thinks about N tokens longer (default 0: 24 tokens in all), for what "
+                        "the proxy spends per output token")
     p.add_argument("--profile", metavar="PREFIX",
                    help="sample Splice with py-spy during its phases: PREFIX-cC.txt (collapsed stacks) and the top frames printed")
     p.add_argument("--profile-gil", action="store_true",
@@ -341,7 +344,7 @@ def run(args) -> dict:
     tok_dir = str(qwen3_tokenizer_dir())
     tok = load_tokenizer(tok_dir)
     cf = ChatFormat(tok, "qwen3")
-    out_ids = list(tok.encode(REPLY_TEXT, add_special_tokens=False))
+    out_ids = reply_ids(tok, args.reasoning_tokens)
     prompt_ids = cf.render([Message(role="system", content=SYSTEM), Message(role="user", content=USER)], [Tool(**TOOL)])
     tail_ids = list(tok.encode('\n<|im_start|>user\n<tool_response>\n{"step": 0, "ok": true}\n</tool_response><|im_end|>\n'
                                "<|im_start|>assistant\n", add_special_tokens=False))

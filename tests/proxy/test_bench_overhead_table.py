@@ -78,3 +78,20 @@ def test_alternating_blocks_charge_each_group_its_own_turns_and_swap_the_order()
     assert n == {"short": 24, "long": 12}
     assert abs(cpu["short"] / n["short"] - 0.001) < 1e-12 and abs(cpu["long"] / n["long"] - 0.003) < 1e-12
     assert order == ["short", "long", "long", "short", "short", "long"]
+
+
+def test_the_reply_thinks_longer_by_about_the_tokens_asked():
+    from tokenization import load_tokenizer, qwen3_tokenizer_dir
+
+    from proxy.bench.stack import REPLY_TEXT, reply_ids
+
+    tok = load_tokenizer(str(qwen3_tokenizer_dir()))
+    short = reply_ids(tok)
+    assert tok.decode(short) == REPLY_TEXT
+    for n in (100, 900):
+        ids = reply_ids(tok, n)
+        assert len(short) + n <= len(ids) <= len(short) + n + 12  # overshoots by at most one sentence
+        text = tok.decode(ids)  # still one thinking block, then the one tool call
+        think, _, call = text.partition("</think>")
+        assert think.startswith("<think>\nI should call f.") and len(think) > 3 * n
+        assert call == REPLY_TEXT.partition("</think>")[2]
