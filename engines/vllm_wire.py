@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from engines.http import clean_logprob, expect_dict, id_list, token_list, weight_version_spans
+from engines.http import clean_logprobs, expect_dict, id_list, token_list, weight_version_spans
 from engines.images import check_spans, collapse, data_url, stop_and_ban
 from engines.types import EngineBadResponse, EngineImage, FinishReason, SamplingParams, Segment
 from engines.vllm_worker import QUALNAME as EXTENSION_QUALNAME
@@ -149,19 +149,22 @@ def prompt_logprob_values(raw: Any, input_ids: list[int], replica: str) -> list[
     if not isinstance(raw, list) or len(raw) != len(input_ids):
         n = len(raw) if isinstance(raw, list) else 0
         raise EngineBadResponse(f"{replica}: {n} prompt logprobs for a {len(input_ids)}-token prompt", replica=replica)
-    out: list[float | None] = []
+    values: list = []
     for j, entry in enumerate(raw):
         if entry is None:
             if j:
                 raise EngineBadResponse(f"{replica}: no prompt logprob at position {j}", replica=replica)
-            out.append(None)
+            values.append(None)
             continue
         value = entry.get(str(input_ids[j])) if isinstance(entry, dict) else None
         if not isinstance(value, dict):
             raise EngineBadResponse(
                 f"{replica}: prompt logprob {j} has no entry for token {input_ids[j]}", replica=replica
             )
-        out.append(clean_logprob(value.get("logprob")))
+        values.append(value.get("logprob"))
+    out: list[float | None] = clean_logprobs(values)
+    if raw and raw[0] is None:
+        out[0] = None
     return out
 
 
@@ -191,7 +194,7 @@ def parse_generate(
     details = usage.get("prompt_tokens_details") or {}
     return Segment(
         output_ids=[int(t) for t in ids],
-        logprobs=[clean_logprob(c.get("logprob")) for c in content],
+        logprobs=clean_logprobs([c.get("logprob") for c in content]),
         finish_reason=_FINISH[fr],
         matched_stop=_matched(fr, choice.get("stop_reason"), ids),
         input_logprobs=prompt_logprob_values(body.get("prompt_logprobs"), input_ids, replica) if prompt_logprobs else [],
@@ -231,7 +234,9 @@ def parse_completion(body: Any, input_ids: list[int], *, echo: bool, replica: st
     if echo and len(ids) >= n_prompt:
         if ids[:n_prompt] != id_list(input_ids):
             raise EngineBadResponse(f"{replica}: echoed prompt differs from the prompt sent", replica=replica)
-        prompt_lps = [None if (j == 0 and v is None) else clean_logprob(v) for j, v in enumerate(values[:n_prompt])]
+        prompt_lps = clean_logprobs(values[:n_prompt])
+        if prompt_lps and values[0] is None:
+            prompt_lps[0] = None
         ids, values = ids[n_prompt:], values[n_prompt:]
     elif echo and ids:  # partial echo: the reply is cut somewhere we cannot place
         raise EngineBadResponse(f"{replica}: echo returned {len(ids)} tokens for a {n_prompt}-token prompt", replica=replica)
@@ -252,7 +257,7 @@ def parse_completion(body: Any, input_ids: list[int], *, echo: bool, replica: st
     details = usage.get("prompt_tokens_details") or {}
     return Segment(
         output_ids=ids,
-        logprobs=[clean_logprob(v) for v in values],
+        logprobs=clean_logprobs(values),
         finish_reason=_FINISH[fr],
         matched_stop=matched,
         input_logprobs=prompt_lps,

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from tests.fakes.engines import Step, sglang_reply
+from tests.fakes.engines import Step, sglang_reply, vllm_generate_reply, vllm_reply
 from engines.http import VECTOR_MIN, clean_logprobs
 from engines.sglang import parse_response
 from engines.types import EngineBadResponse, EngineImage
@@ -114,3 +114,26 @@ def test_image_pads_in_a_long_prefill_are_not_compared():
     reply["meta_info"]["input_token_logprobs"][150][1] = 7  # past the image: still an error
     with pytest.raises(EngineBadResponse, match="position 151"):
         parse_response(reply, prompt, 1, URL, images=(image,))
+
+
+def test_long_vllm_replies_parse_to_the_wire_values():
+    from engines.vllm_wire import parse_completion, parse_generate, prompt_logprob_values
+
+    prompt = [1000 + i for i in range(N)]
+    wire = (WIRE * (N // len(WIRE) + 1))[:N]
+    toks = [(50 + i, v) for i, v in enumerate(wire)]
+    reply = vllm_reply(prompt, Step(toks), echo=True, prefill=lambda p: wire[p])
+    seg = parse_completion(reply, prompt, echo=True, replica=URL)
+    assert bits(seg.logprobs) == bits(floor_rule(v) for v in wire)
+    assert seg.input_logprobs[0] is None and bits(seg.input_logprobs[1:]) == bits(floor_rule(v) for v in wire[1:])
+
+    meta = {"prompt_token_ids": prompt, "mm_placeholders": None}
+    gen = vllm_generate_reply(prompt, Step(toks), meta, None, "0")
+    assert bits(parse_generate(gen, prompt, (), prompt_logprobs=False, replica=URL).logprobs) == bits(map(floor_rule, wire))
+
+    raw = [None] + [{str(t): {"logprob": wire[j], "rank": 1}} for j, t in enumerate(prompt) if j]
+    got = prompt_logprob_values(raw, prompt, URL)
+    assert got[0] is None and bits(got[1:]) == bits(floor_rule(v) for v in wire[1:])
+    raw[N - 4] = {"7": {"logprob": -1.0}}  # no entry for the prompt's own token, deep in the list
+    with pytest.raises(EngineBadResponse, match=f"prompt logprob {N - 4} has no entry for token {prompt[N - 4]}"):
+        prompt_logprob_values(raw, prompt, URL)
