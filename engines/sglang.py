@@ -176,8 +176,10 @@ def _id_mismatches(tids: list, input_ids, start: int) -> list[int]:
     if set(map(type, tids)) <= {int}:
         if tids == expected:  # the usual reply: one C-level compare
             return []
-        a, b = np.asarray(tids, dtype=np.int64), np.asarray(expected, dtype=np.int64)
-        return np.flatnonzero(a != b).tolist()
+        try:  # an image's pads (id 0) differ at every position: thousands in a long prefill
+            return np.flatnonzero(np.asarray(tids, dtype=np.int64) != np.asarray(expected, dtype=np.int64)).tolist()
+        except OverflowError:  # an id past int64: compared one by one below
+            pass
     return [j for j, tid in enumerate(tids) if isinstance(tid, int) and tid != expected[j]]
 
 

@@ -137,3 +137,10 @@ def test_long_vllm_replies_parse_to_the_wire_values():
     raw[N - 4] = {"7": {"logprob": -1.0}}  # no entry for the prompt's own token, deep in the list
     with pytest.raises(EngineBadResponse, match=f"prompt logprob {N - 4} has no entry for token {prompt[N - 4]}"):
         prompt_logprob_values(raw, prompt, URL)
+
+
+def test_an_input_id_past_int64_is_a_mismatch_not_a_crash():
+    prompt, reply = _long()
+    reply["meta_info"]["input_token_logprobs"][N][1] = 2**70
+    with pytest.raises(EngineBadResponse, match=f"input logprob {N} is for token {2**70}"):
+        parse_response(reply, prompt, 1, URL)
