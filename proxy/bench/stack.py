@@ -21,14 +21,12 @@ def reply_ids(tok, reasoning_tokens: int = 0) -> list[int]:
     """The stand-in's reply as ids; ``reasoning_tokens`` > 0 makes its thinking that many tokens
     longer (about): agents that reason write hundreds to thousands of tokens a turn, and what
     the proxy does per output token only shows at that length."""
-    if reasoning_tokens <= 0:
-        return list(tok.encode(REPLY_TEXT, add_special_tokens=False))
-    base = len(tok.encode(REPLY_TEXT, add_special_tokens=False))
-    steps: list[str] = []
-    text = REPLY_TEXT
-    while len(ids := tok.encode(text, add_special_tokens=False)) < base + reasoning_tokens:
-        steps += [f" Step {len(steps) + k} checks the value again." for k in range(max(1, (base + reasoning_tokens - len(ids)) // 12))]
-        text = REPLY_TEXT.replace("I should call f.", "I should call f." + "".join(steps))
+    mark = "I should call f."
+    target = len(tok.encode(REPLY_TEXT, add_special_tokens=False)) + max(0, reasoning_tokens)
+    steps, k = "", 0
+    while len(ids := tok.encode(REPLY_TEXT.replace(mark, mark + steps), add_special_tokens=False)) < target:
+        steps += f" Step {k} checks the value again."
+        k += 1
     return list(ids)
 
 
