@@ -183,15 +183,22 @@ def test_abort_resume_across_a_real_weight_reload(proxy, vllm_server, models):
         assert r.status_code == 200, (path, r.text)
         return r
 
+    def in_flight() -> int:
+        return httpx.get(proxy + "/admin/status", headers=ADMIN_HEADERS).json()["engines"]["in_flight"]
+
     # vLLM can finish all 400 tokens before the client has read two of them: then the pause finds
-    # nothing in flight. Such an attempt resumes without touching the weights and starts over, so
-    # the update below always lands on a generation the proxy is holding mid-way. On a loaded
-    # machine (CI runs this tier beside the main suite) the client reads late, so several may.
+    # nothing in flight. So the pause goes out as soon as the proxy has the request at the engine,
+    # not when the client reads its first token (late on a loaded machine: CI runs this tier beside
+    # the main suite). An attempt that still finds nothing to hold resumes without touching the
+    # weights and starts over, so the update below always lands on a generation held mid-way.
     for _attempt in range(12):
         sid, seen, result = "live-r1-" + uuid.uuid4().hex[:8], threading.Event(), {}
         th = threading.Thread(target=run_stream, args=(sid, seen, result))
         th.start()
-        assert seen.wait(120), "the generation did not start streaming"
+        started = time.monotonic()
+        while not seen.is_set() and in_flight() < 1:
+            assert time.monotonic() - started < 120 and th.is_alive(), "the generation did not start"
+            time.sleep(0.005)
         t0 = time.monotonic()
         post("/admin/pause")
         held = False
