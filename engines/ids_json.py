@@ -30,6 +30,9 @@ from tokenization.id_chain import is_chain, known_prefix
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 MAX_PIECES = 64  # a writev's buffers stay far below IOV_MAX (1024); joining costs one copy per 64 turns
 _CLOSE = b"]"
+# A 100k-token prompt's kept ids and JSON take about 1 MB: room for about 128 such sessions, the
+# proxy's other per-session caches' size (proxy/api/history_memo.py, tokenization.HistoryHashes).
+MAX_BYTES = 128 << 20
 
 
 class _Kept:
@@ -87,7 +90,7 @@ class _Kept:
 
 
 class IdsJson:
-    def __init__(self, *, min_ids: int = 4096, max_bytes: int = 32 << 20):
+    def __init__(self, *, min_ids: int = 4096, max_bytes: int = MAX_BYTES):
         self.min_ids = min_ids
         self.max_bytes = max_bytes
         self._last: OrderedDict[str, _Kept] = OrderedDict()

@@ -95,3 +95,10 @@ def known_prefix(a: np.ndarray, b: np.ndarray) -> bool:
 def is_chain(a) -> bool:
     """Whether ``a`` is a view from the start of a chain buffer (its ids never change)."""
     return isinstance(a, np.ndarray) and _chain_start(a) is not None
+
+
+def held_memory(a: np.ndarray) -> tuple[int, int]:
+    """``(key, bytes)`` of the memory ``a`` lives in: the buffer it views (one chain buffer holds
+    every turn of a session), else ``a`` itself. The key is valid while ``a`` is alive."""
+    owner = a.base if isinstance(a.base, np.ndarray) else a
+    return id(owner), owner.nbytes

@@ -22,11 +22,23 @@ class LRU:
     """Values by key, evicting the least recently used once their total size passes ``budget``.
 
     Size is ``len(value)`` by default, ``weigh(value)`` when given (``memory_of``: bytes held),
-    and 1 per entry with ``sized=False`` (for small flags)."""
+    and 1 per entry with ``sized=False`` (for small flags). ``shared(value)`` gives the memory a
+    value lives in as ``(key, bytes)``: values that share it (views of one buffer, such as a
+    session's turns in an id chain) count it once, until the last of them leaves; each entry
+    adds its own object and slot (``memory_of``)."""
 
-    def __init__(self, budget: int, *, sized: bool = True, weigh: Callable[[Any], int] | None = None):
+    def __init__(
+        self,
+        budget: int,
+        *,
+        sized: bool = True,
+        weigh: Callable[[Any], int] | None = None,
+        shared: Callable[[Any], tuple[Hashable, int]] | None = None,
+    ):
         self.budget, self.used, self.sized = budget, 0, sized
         self.weigh = weigh
+        self.shared = shared
+        self._holders: dict[Hashable, list[int]] = {}  # with ``shared``: memory key -> [entries, bytes]
         self._items: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -43,6 +55,9 @@ class LRU:
             return value
 
     def put(self, key: Hashable, value: Any) -> None:
+        if self.shared is not None:
+            self._put_shared(key, value)
+            return
         size = self._size(value)
         with self._lock:
             if size > self.budget or key in self._items:
@@ -53,12 +68,41 @@ class LRU:
                 _, old = self._items.popitem(last=False)
                 self.used -= self._size(old)
 
+    def _put_shared(self, key: Hashable, value: Any) -> None:
+        mem, size = self.shared(value)
+        with self._lock:
+            if size > self.budget or key in self._items:
+                return
+            self._items[key] = value
+            self.used += memory_of(value)
+            held = self._holders.get(mem)
+            if held is None:
+                self._holders[mem] = [1, size]
+                self.used += size
+            else:
+                held[0] += 1
+            while self.used > self.budget:
+                self._release(self._items.popitem(last=False)[1])
+
+    def _release(self, value: Any) -> None:
+        """(With ``shared``, under the lock.) One entry fewer on ``value``'s memory."""
+        self.used -= memory_of(value)
+        mem = self.shared(value)[0]
+        held = self._holders[mem]
+        held[0] -= 1
+        if not held[0]:
+            del self._holders[mem]
+            self.used -= held[1]
+
     def pop(self, key: Hashable) -> None:
         """Forget ``key`` (a no-op when absent)."""
         with self._lock:
             value = self._items.pop(key, None)
             if value is not None:
-                self.used -= self._size(value)
+                if self.shared is not None:
+                    self._release(value)
+                else:
+                    self.used -= self._size(value)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -47,6 +47,11 @@ from .samples import TurnTokens
 from .turn_rows import SELECT, row_record, row_tokens
 from .sessions import SessionTable
 
+# The ids of recent turns, by chain buffer: a 100k-token session's takes 0.5 MB (a quarter spare),
+# so this keeps about 256 such sessions warm. A miss rebuilds the ids from their rows.
+FULL_IDS_BYTES = 128 << 20
+
+
 @dataclass(frozen=True)
 class TurnSequence:
     """A turn's token sequence and version arrays, without its logprobs or metadata: what the
@@ -79,9 +84,8 @@ class TurnTable:
         self.responses = responses
         self.clock = clock
         # turn seq -> prompt+output ids: read-only views of id chains (tokenization/id_chain.py), so
-        # a session's turns share one buffer; counted by length (a buffer's spare room, at most a
-        # quarter more plus 64 ids, is not)
-        self._full_ids = LRU(4_000_000)
+        # a session's turns share one buffer, counted once with its spare room (FULL_IDS_BYTES)
+        self._full_ids = LRU(FULL_IDS_BYTES, shared=id_chain.held_memory)
         # turn id -> (seq, n_prompt, role), written once, read for every next turn's parent: its
         # ids are found in ``_full_ids`` without a query, and its role without reading a wide row
         # (the column sits past its token arrays' overflow pages)

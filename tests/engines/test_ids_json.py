@@ -175,3 +175,18 @@ def test_a_spliced_prompt_on_an_id_chain_is_kept_as_it_is_and_known_to_extend_it
     resumed = np.concatenate([sibling, [9, 9]]).astype(np.int32)  # not a chain: compared, then copied
     assert _body_ids(enc("s", resumed)) == resumed.tolist() and enc.reused == 2
     assert enc._last["s"].ref is None and enc._last["s"].n == resumed.size
+
+
+def test_the_default_budget_keeps_forty_interleaved_100k_sessions():
+    """30 agents of 100k tokens beside 30 of 10k thrashed a 32 MiB budget: every turn wrote its
+    whole prompt as JSON again."""
+    enc = IdsJson()
+    rng = np.random.default_rng(1)
+    prompts = {s: rng.integers(0, 150_000, 100_000, dtype=np.int32) for s in range(40)}
+    for s, ids in prompts.items():
+        enc(f"s{s}", ids)
+    for s, ids in prompts.items():
+        prompts[s] = np.concatenate([ids, rng.integers(0, 150_000, 50, dtype=np.int32)])
+        body = enc(f"s{s}", prompts[s])
+        assert orjson.loads(b"".join(body)) == prompts[s].tolist()
+    assert enc.reused == 40
