@@ -11,7 +11,8 @@ written in full. The proxy's prompts are views of id chains (tokenization/id_cha
 ids are never written twice: such a prompt is kept as it is, and one that starts where it did
 is known to extend it without a compare. Other arrays are kept as a private copy, grown in place
 like a list, and compared. Short prompts and calls without a session key are written as they
-are. Memory is bounded (ids plus JSON bytes, least recently used dropped first); a session's
+are. Memory is bounded (the JSON bytes, and the ids of private copies: a chain's ids are its
+session's turns', counted by the store's cache; least recently used dropped first); a session's
 pieces are joined into one when they pass ``MAX_PIECES``.
 """
 
@@ -30,8 +31,9 @@ from tokenization.id_chain import is_chain, known_prefix
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 MAX_PIECES = 64  # a writev's buffers stay far below IOV_MAX (1024); joining costs one copy per 64 turns
 _CLOSE = b"]"
-# A 100k-token prompt's kept ids and JSON take about 1 MB: room for about 128 such sessions, the
-# proxy's other per-session caches' size (proxy/api/history_memo.py, tokenization.HistoryHashes).
+# A 100k-token prompt's JSON takes about 650 KB (its ids, an id chain's, are the session's turns'):
+# room for about 200 such sessions, as the proxy's other per-session caches hold about 150-250
+# (proxy/api/history_memo.py, tokenization.HistoryHashes, the store's turn ids).
 MAX_BYTES = 128 << 20
 
 
@@ -53,7 +55,9 @@ class _Kept:
 
     @property
     def nbytes(self) -> int:
-        return (self.ref if self.ref is not None else self.buf).nbytes + self.text_bytes
+        """What this entry alone holds: an id chain's ids belong to the session's turns (the store's
+        turn cache counts them), a private copy is this entry's."""
+        return self.text_bytes if self.ref is not None else self.buf.nbytes + self.text_bytes
 
     def extends(self, ids: np.ndarray) -> bool:
         if self.ref is not None and known_prefix(self.ref, ids):

@@ -204,8 +204,10 @@ def convert(raw: list[Any], convert_item: ConvertItem | MergingConverter, reuse:
 # 900 bytes a chat message, 800 a Responses item, 1,150 an Anthropic message (content blocks).
 ITEM_BYTES = 1536
 # Kept requests a long request is compared with before it is parsed, newest first: the
-# conversations sharing its first bytes (an agent's system prompt) that were active last.
-CANDIDATES = 64
+# conversations sharing its first bytes (an agent's system prompt) that were active last. Each
+# costs a look at the starts of its second and third items and at the third item's bytes (a
+# microsecond or two) before the prefix search over everything before it.
+CANDIDATES = 256
 
 
 class HistoryMemo:
@@ -244,6 +246,8 @@ class HistoryMemo:
             old = hit.layout
             if not all(raw[e + 1 : e + 1 + WINDOW] == old.body[e + 1 : e + 1 + WINDOW] for e in old.ends[:2]):
                 continue  # another conversation (another task, another first answer): a cheap look first
+            if len(old.ends) > 2 and not raw.startswith(memoryview(old.body)[old.ends[1] + 1 : old.ends[2] + 1], old.ends[1] + 1):
+                continue  # the third item differs where it sits: a group's sessions part at their first answer
             k = shared_items(raw, old)
             if k < min(3, len(old.ends)):
                 continue  # not the same first items: another conversation

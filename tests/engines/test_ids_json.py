@@ -169,7 +169,7 @@ def test_a_spliced_prompt_on_an_id_chain_is_kept_as_it_is_and_known_to_extend_it
         m.setattr(np, "array_equal", lambda *a, **k: pytest.fail("the kept ids were compared"))
         body = enc("s", nxt)
     assert _body_ids(body) == nxt.tolist() and enc.reused == 1
-    assert enc._bytes == nxt.nbytes + sum(len(p) for p in kept.pieces)
+    assert enc._bytes == sum(len(p) for p in kept.pieces)  # the chain's ids are the turns' (the store counts them)
     sibling = id_chain.join(full[:5000], full[5000:], [7])  # a copy: not known, and not a prefix
     assert _body_ids(enc("s", sibling)) == sibling.tolist() and enc.reused == 1
     resumed = np.concatenate([sibling, [9, 9]]).astype(np.int32)  # not a chain: compared, then copied

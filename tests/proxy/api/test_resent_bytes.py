@@ -196,3 +196,31 @@ def test_a_long_conversation_at_the_defaults_is_parsed_from_what_it_adds(tmp_pat
     assert on == off  # token for token, every turn
     assert "Rule 399" in TOK.decode(on[-1])
 
+
+
+def test_a_group_of_sessions_sharing_a_long_start_finds_each_its_own(monkeypatch):
+    """Header-less sessions of one task (a group) share their first two items, here a long
+    document, and part at the first answer. Each request must find its own conversation among
+    many look-alikes, and compare everything before the answer with that one alone: the prefix
+    search over a 400 KB start cost ~50 us per look-alike, up to 64 of them per turn."""
+    import proxy.api.history_memo as hm
+
+    searched = []
+    monkeypatch.setattr(hm, "shared_items", lambda raw, layout: searched.append(1) or shared_items(raw, layout))
+    memo = HistoryMemo()
+    doc = "the file to work on: " + " ".join(str(i) for i in range(60_000))
+    n = 150  # more than the look-alikes a request is compared with before
+    convs = {s: [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": doc}] for s in range(n)}
+    for turn in range(3):
+        for s, msgs in convs.items():
+            call = {"id": f"call_{s}_{turn}", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+            # the same words in every session: only the call id, 64 bytes in, tells them apart
+            msgs.append({"role": "assistant", "content": "I will run the tests first, then read the failing one.", "tool_calls": [call]})
+            msgs.append({"role": "tool", "tool_call_id": f"call_{s}_{turn}", "content": f"step {turn} of session {s}"})
+            raw = orjson.dumps({"model": "m", "messages": msgs})
+            before, searched[:] = memo.resent_parsed, []
+            body = _send(memo, raw)
+            assert orjson.dumps(body) == orjson.dumps(orjson.loads(raw))
+            if turn:  # its own last request is kept: parsed from what it adds, one prefix search
+                assert memo.resent_parsed == before + 1, (turn, s)
+                assert len(searched) == 1, (turn, s, len(searched))
