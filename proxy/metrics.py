@@ -71,6 +71,9 @@ class Metrics:
         self.turns = Counter("splice_turns", "Finished turns by api", ["api"], registry=r)
         self.roles = Counter("splice_turn_roles", "Finished turns by episode role (main, auxiliary, subagent, compacted)", ["role"], registry=r)
         self.spliced = Counter("splice_spliced_turns", "Turns whose prompt was spliced from verbatim ids", registry=r)
+        self.render_reused = Counter(
+            "splice_render_reused", "First turns whose prompt ids were reused from an equal first turn (a group's sessions)", registry=r
+        )
         self.forks = Counter("splice_forks", "Turns rendered in full, by reason", ["reason"], registry=r)
         self.history_edits = Counter(
             "splice_history_edits_kept", "Turns that continued the recorded tokens despite a history edit (--history-edits keep), by edit",

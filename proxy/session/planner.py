@@ -49,6 +49,7 @@ from tokenization.vision import ImageError
 
 from ..ids import time_ordered_hex
 from ..store.images import ImageRef
+from .first_renders import FirstRenders
 from .images import place
 from .roles import compaction_kind
 from .turn import TurnRequest
@@ -104,6 +105,7 @@ class Plan:
     images: tuple[ImageRef, ...] = ()  # every image in ``prompt_ids``, in order
     request_images: dict = field(default_factory=dict)  # hash -> the request's decoded image (runner)
     summary_ids: str | None = None  # a compaction restart: "carried" (the summary's sampled ids) or "retokenized"
+    render_reused: bool = False  # a first turn's ids taken from an equal first turn (``FirstRenders``)
 
 
 def fingerprint_keys(hashed: HistoryHash, req: TurnRequest) -> tuple[str, str, str]:
@@ -190,9 +192,10 @@ def message_chars(messages: list[Message]) -> tuple[int, int]:
 
 
 def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, hashes: HistoryHashes | None = None, *,
-         inline_chars: int | None = None) -> Plan:
+         inline_chars: int | None = None, renders: FirstRenders | None = None) -> Plan:
     """Splice onto the recorded turn the request continues, or render in full (see module doc).
     ``hashes``: long histories hashed before, so a resent one is not hashed again.
+    ``renders``: recent first turns' ids, reused by a first turn equal to one of them.
     ``inline_chars``: raise :class:`PlanOffLoop` instead of rendering the request in full, or of
     bridging new messages of more characters than this."""
     last_asst = last_assistant(req.messages)
@@ -200,7 +203,7 @@ def plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, hashes: HistoryH
     history = req.messages[: last_asst + 1]
     edits = keeps_edits(req)
     hh = hashes.hash(history, edits=edits) if hashes is not None else HistoryHash(edits=edits).extend(history)
-    p = _plan(req, lookup, fmt, last_asst, hh, inline_chars)
+    p = _plan(req, lookup, fmt, last_asst, hh, inline_chars, renders)
     p.history_hash, p.hashed = hh, last_asst + 1
     if not isinstance(p.prompt_ids, np.ndarray):  # a full render (its cost dwarfs this pass)
         p.prompt_ids = np.asarray(p.prompt_ids, dtype=np.int32)
@@ -250,25 +253,33 @@ def _find(hashed: HistoryHash, req: TurnRequest, lookup: TurnLookup) -> tuple[Ca
 
 
 def _plan(req: TurnRequest, lookup: TurnLookup, fmt: ChatFormat, last_asst: int, hh: HistoryHash,
-          inline_chars: int | None = None) -> Plan:
+          inline_chars: int | None = None, renders: FirstRenders | None = None) -> Plan:
     msgs = req.messages
     explicit = req.session_id
 
     spec = getattr(fmt, "vision", None)
 
-    def fork(session_id: str | None, parent: str | None, reason: str | None, **kw) -> Plan:
-        if inline_chars is not None:
-            raise PlanOffLoop()
-        t0 = time.perf_counter()
-        ids = _render(fmt, req)
+    def fork(session_id: str | None, parent: str | None, reason: str | None, *, first: bool = False, **kw) -> Plan:
+        kept = renders if first else None  # a first turn: a group's sessions open alike
+        chars = (req.message_chars or message_chars(msgs))[0] if kept is not None else 0
+        ids = kept.get(msgs, req.tools, req.chat_template_kwargs, chars) if kept is not None else None
+        reused, render_s = ids is not None, 0.0
+        if ids is None:
+            if inline_chars is not None:
+                raise PlanOffLoop()
+            t0 = time.perf_counter()
+            ids = _render(fmt, req)
+            render_s = time.perf_counter() - t0
+            if kept is not None:
+                ids = kept.put(msgs, req.tools, req.chat_template_kwargs, chars, ids)
         images = _place(ids, msgs, spec) if spec is not None else ()
         return Plan(session_id or new_session_id(), ids, parent, False, reason, new_session=session_id is None,
-                    render_s=time.perf_counter() - t0, images=images, **kw)  # fmt: skip
+                    render_s=render_s, images=images, render_reused=reused, **kw)  # fmt: skip
 
     if last_asst < 0 and req.compaction == "restart":
         return _restart(req, lookup, fmt, fork)
     if last_asst < 0:  # a first turn (or a fresh attempt in an explicit session)
-        return fork(explicit, None, None)
+        return fork(explicit, None, None, first=True)
     found, reason, ambiguous = _find(hh, req, lookup)
     edits: tuple[str, ...] = ()
     if found is None and hh.edits:

@@ -24,6 +24,7 @@ from ..store import Conflict, Store, StoredResponse, TurnRecord
 from ..turn_log import TurnWatch
 from .drift import DriftChecker
 from .episodes import EpisodeRoles
+from .first_renders import FirstRenders
 from .images import as_stored, engine_images, request_images
 from .planner import Plan, PlanOffLoop, RenderError, answer_fingerprints, message_chars, plan
 from .recompute import Piggyback, RecomputeScheduler
@@ -137,6 +138,7 @@ class TurnRunner:
         self.recompute = recompute  # R2: a session owing values gets them from its next turn's call
         self.lookup = StoreLookup(store)
         self.hashes = HistoryHashes()  # long histories' hashes, continued when a request resends one
+        self.first_renders = FirstRenders()  # first turns' ids, for the next session that opens alike
         self.roles = EpisodeRoles(store)  # main / auxiliary / subagent / compacted (proxy.session.roles)
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
@@ -159,7 +161,7 @@ class TurnRunner:
         if req.history_edits_policy is None:
             req.history_edits_policy = self.history_edits
         try:
-            p = plan(req, self.lookup, self.fmt, self.hashes, inline_chars=inline_chars)
+            p = plan(req, self.lookup, self.fmt, self.hashes, inline_chars=inline_chars, renders=self.first_renders)
         except RenderError as exc:
             raise APIError(400, f"the chat template cannot render this conversation: {exc}", code="invalid_messages") from None
         m = self.metrics.stage_seconds
@@ -167,6 +169,8 @@ class TurnRunner:
             m.labels("bridge").observe(p.bridge_s)
         if p.render_s:
             m.labels("render").observe(p.render_s)
+        if p.render_reused:
+            self.metrics.render_reused.inc()
         if p.ambiguous:
             self.metrics.ambiguous_parents.inc()
             if p.session_id not in self._ambiguous_logged and len(self._ambiguous_logged) < 65536:

@@ -11,6 +11,9 @@ from typing import Any, Callable, Hashable
 # What one cached entry costs beyond its value: the OrderedDict's hash slot and link node and
 # the key object (measured on CPython 3.11: about 100-130 bytes for an int key).
 ENTRY_BYTES = 128
+# An entry of an LRU with ``shared``: its slot and the value's own object (a numpy view's is 112
+# bytes); the memory it views is counted once for all entries sharing it.
+SHARED_ENTRY_BYTES = 2 * ENTRY_BYTES
 
 
 def memory_of(value: Any) -> int:
@@ -25,7 +28,7 @@ class LRU:
     and 1 per entry with ``sized=False`` (for small flags). ``shared(value)`` gives the memory a
     value lives in as ``(key, bytes)``: values that share it (views of one buffer, such as a
     session's turns in an id chain) count it once, until the last of them leaves; each entry
-    adds its own object and slot (``memory_of``)."""
+    adds ``SHARED_ENTRY_BYTES``."""
 
     def __init__(
         self,
@@ -74,7 +77,7 @@ class LRU:
             if size > self.budget or key in self._items:
                 return
             self._items[key] = value
-            self.used += memory_of(value)
+            self.used += SHARED_ENTRY_BYTES
             held = self._holders.get(mem)
             if held is None:
                 self._holders[mem] = [1, size]
@@ -86,7 +89,7 @@ class LRU:
 
     def _release(self, value: Any) -> None:
         """(With ``shared``, under the lock.) One entry fewer on ``value``'s memory."""
-        self.used -= memory_of(value)
+        self.used -= SHARED_ENTRY_BYTES
         mem = self.shared(value)[0]
         held = self._holders[mem]
         held[0] -= 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from proxy.store import Store
-from proxy.store.lru import LRU, memory_of
+from proxy.store.lru import LRU, SHARED_ENTRY_BYTES
 from proxy.store.turns import FULL_IDS_BYTES
 from tokenization import id_chain
 
@@ -24,10 +24,10 @@ def test_views_of_one_buffer_count_it_once_until_the_last_leaves():
     assert all(v.base is buf for v in views)
     for i, v in enumerate(views):
         cache.put(i, v)
-    per_entry = sum(memory_of(v) for v in views)
+    per_entry = SHARED_ENTRY_BYTES * len(views)
     assert cache.used == buf.nbytes + per_entry
     cache.pop(0)
-    assert cache.used == buf.nbytes + per_entry - memory_of(views[0])  # the buffer is still held
+    assert cache.used == buf.nbytes + per_entry - SHARED_ENTRY_BYTES  # the buffer is still held
     for i in range(1, 10):
         cache.pop(i)
     assert cache.used == 0 and cache._holders == {}
@@ -37,11 +37,11 @@ def test_separate_buffers_count_separately_and_evict_oldest_first():
     a = id_chain.join(np.arange(1000, dtype=np.int32))
     b = id_chain.join(np.arange(1000, dtype=np.int32))
     assert a.base is not b.base
-    cache = LRU(a.base.nbytes + memory_of(a) + 100, shared=id_chain.held_memory)
+    cache = LRU(a.base.nbytes + SHARED_ENTRY_BYTES + 100, shared=id_chain.held_memory)
     cache.put("a", a)
     cache.put("b", b)  # both do not fit: a goes
     assert cache.get("a") is None and cache.get("b") is b
-    assert cache.used == b.base.nbytes + memory_of(b)
+    assert cache.used == b.base.nbytes + SHARED_ENTRY_BYTES
 
 
 def test_fifty_interleaved_sessions_of_100k_tokens_stay_cached(tmp_path):
