@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any, Coroutine
 
 import numpy as np
 
@@ -54,27 +55,45 @@ class DriftChecker:
         return bool(parent_turn_id) and self._drifted.get(parent_turn_id) is True
 
     async def check(self, req: TurnRequest, result: TurnResult, parent_turn_id: str | None, *, recorded: bool = False) -> None:
-        """``recorded``: the turn was committed with ``drift`` set (:meth:`inherited`)."""
+        """``note``, then the work it leaves."""
+        work = self.note(req, result, parent_turn_id, recorded=recorded)
+        if work is not None:
+            await work
+
+    def note(
+        self, req: TurnRequest, result: TurnResult, parent_turn_id: str | None, *, recorded: bool = False
+    ) -> Coroutine[Any, Any, None] | None:
+        """What a spliced turn's check decides at once; the work left (a full render in a thread,
+        a drift flag written) as a coroutine to run in the background, or None, as for most turns:
+        their parent's outcome is inherited, or they are not due. ``recorded``: the turn was
+        committed with ``drift`` set (:meth:`inherited`)."""
         if self.mode == "sampled":
             self._budget = min(MAX_BUDGET, self._budget + TOKENS_PER_TURN)
         drifted = self._drifted.get(parent_turn_id) if parent_turn_id else None
-        if drifted is None:
-            if not self.due(result.index):
-                return
-            if self.mode == "sampled":
-                if len(result.prompt_ids) > self._budget:
-                    self.skipped += 1
-                    return
-                self._budget -= len(result.prompt_ids)
-            try:
-                full = await asyncio.to_thread(
-                    self.fmt.render, req.messages, req.tools, template_kwargs=req.chat_template_kwargs
-                )
-            except Exception:  # noqa: BLE001 - a template that cannot re-render counts as no drift
-                return
-            drifted = not np.array_equal(np.asarray(full, dtype=np.int64), np.asarray(result.prompt_ids, dtype=np.int64))
+        if drifted is not None:
+            return self._record(result, drifted, recorded)
+        if not self.due(result.index):
+            return None
+        if self.mode == "sampled":
+            if len(result.prompt_ids) > self._budget:
+                self.skipped += 1
+                return None
+            self._budget -= len(result.prompt_ids)
+        return self._render_and_record(req, result, recorded)
+
+    async def _render_and_record(self, req: TurnRequest, result: TurnResult, recorded: bool) -> None:
+        try:
+            full = await asyncio.to_thread(self.fmt.render, req.messages, req.tools, template_kwargs=req.chat_template_kwargs)
+        except Exception:  # noqa: BLE001 - a template that cannot re-render counts as no drift
+            return
+        drifted = not np.array_equal(np.asarray(full, dtype=np.int64), np.asarray(result.prompt_ids, dtype=np.int64))
+        work = self._record(result, drifted, recorded)
+        if work is not None:
+            await work
+
+    def _record(self, result: TurnResult, drifted: bool, recorded: bool) -> Coroutine[Any, Any, Any] | None:
         self._drifted.put(result.turn_id, drifted)
-        if drifted:
-            self.metrics.drift.inc()
-            if not recorded:
-                await self.store.turns.set_drift_grouped(result.turn_id, True)
+        if not drifted:
+            return None
+        self.metrics.drift.inc()
+        return None if recorded else self.store.turns.set_drift_grouped(result.turn_id, True)

@@ -234,7 +234,13 @@ class TurnRunner:
         watch.finished(result, time.perf_counter() - t_start, p, req)
         self.metrics.proxy_seconds.observe(max(0.0, time.perf_counter() - t_start - gen.engine_time_s))
         if p.spliced:
-            self._spawn(self.drift.check(req, result, p.parent_turn_id, recorded=result.drift_recorded))
+            try:
+                work = self.drift.note(req, result, p.parent_turn_id, recorded=result.drift_recorded)
+            except Exception:  # noqa: BLE001 - the turn is committed: a drift count never fails it
+                log.exception("turn %s: drift check failed", result.turn_id)
+                work = None
+            if work is not None:  # most spliced turns decide at once: no task
+                self._spawn(work)
         return result
 
     async def _check_fits(self, req: TurnRequest, chars: int) -> None:
