@@ -47,9 +47,7 @@ from .samples import TurnTokens
 from .turn_rows import SELECT, row_record, row_tokens
 from .sessions import SessionTable
 
-# The ids of recent turns, by chain buffer: a 100k-token session's takes 0.5 MB (a quarter spare),
-# so this keeps about 256 such sessions warm. A miss rebuilds the ids from their rows.
-FULL_IDS_BYTES = 128 << 20
+FULL_IDS_BYTES = 128 << 20  # recent turns' ids by chain buffer: 0.5 MB for 100k tokens, about 256 such sessions
 
 
 @dataclass(frozen=True)
@@ -161,6 +159,7 @@ class TurnTable:
         lps, plps, vs, pvs = turn.output_logprobs, turn.proximal_logprobs_t, turn.versions, turn.proximal_versions
         untouched = all(type(x) is list for x in (lps, plps, vs, pvs)) and pvs == vs and plps == lps and 0.0 not in lps
         prox = None if untouched else np.asarray(turn.proximal_logprobs_t, dtype=F32)  # only write_proximal reads it
+        parent_base = self._parent_base(turn, prompt)
         done: dict = {}
 
         def write(c: sqlite3.Connection) -> None:
@@ -180,7 +179,7 @@ class TurnTable:
             sampling_id = self._sampling_ids.get(sampling)
             if sampling_id is None:
                 sampling_id = _sampling_id(c, sampling)
-            base_seq, base_len = self._pick_prompt_base(c, turn, prompt)
+            base_seq, base_len = parent_base or self._pick_prompt_base(c, turn, prompt)
             try:  # the UNIQUE constraints check turn id, (session, index) and item id
                 cur = c.execute(
                     "INSERT INTO turns (turn_id, session_id, idx, parent_turn_id, prompt_base, prompt_base_len, "
@@ -475,6 +474,14 @@ class TurnTable:
             return len(_owed_rows(c, version, light=True))
 
     # ------------------------------------------------------------ prompt prefixes
+
+    def _parent_base(self, turn: TurnRecord, prompt: np.ndarray) -> tuple[int, int] | None:
+        """(parent seq, its length) when the prompt is known to extend the parent's ids (one id chain)."""
+        known = self._known.get(turn.parent_turn_id) if turn.parent_turn_id else None
+        full = self._full_ids.get(known[0]) if known is not None else None
+        if full is not None and full.size >= 8 and id_chain.known_prefix(full, prompt):
+            return known[0], full.size
+        return None
 
     def _pick_prompt_base(self, c, turn: TurnRecord, prompt: np.ndarray) -> tuple[int | None, int]:
         """The earlier turn of the session whose prompt+output shares the longest prefix with this prompt."""
