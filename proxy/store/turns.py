@@ -84,7 +84,7 @@ class TurnTable:
         # turn seq -> prompt+output ids: read-only views of id chains (tokenization/id_chain.py), so
         # a session's turns share one buffer, counted once with its spare room (FULL_IDS_BYTES)
         self._full_ids = LRU(FULL_IDS_BYTES, shared=id_chain.held_memory)
-        # turn id -> (seq, n_prompt, role), written once, read for every next turn's parent: its
+        # turn id -> (seq, n_prompt, role, session), written once, read for every next turn's parent: its
         # ids are found in ``_full_ids`` without a query, and its role without reading a wide row
         # (the column sits past its token arrays' overflow pages)
         self._known = LRU(65536, sized=False)
@@ -234,7 +234,7 @@ class TurnTable:
                 self._sampling_ids[bytes(memoryview(sampling))] = done["sampling_id"]
             # Only after COMMIT: a rolled-back seq may be reused by another turn.
             self._full_ids.put(done["seq"], id_chain.join(prompt, out))  # a spliced prompt: out appended in place
-            self._known.put(turn.turn_id, (done["seq"], len(prompt), turn.role))
+            self._known.put(turn.turn_id, (done["seq"], len(prompt), turn.role, turn.session_id))
             if done["resp_seq"] is not None:
                 self.responses.remember(done["resp_seq"], response.conversation)
 
@@ -396,9 +396,9 @@ class TurnTable:
                 known = self._look_up(c, turn_id)
         return None if known is None else known[2]
 
-    def _look_up(self, c, turn_id: str) -> tuple[int, int, str] | None:
-        """``(seq, n_prompt, role)`` of a turn from its row, kept in ``_known``."""
-        row = c.execute("SELECT seq, n_prompt, role FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
+    def _look_up(self, c, turn_id: str) -> tuple[int, int, str, str] | None:
+        """``(seq, n_prompt, role, session_id)`` of a turn from its row, kept in ``_known``."""
+        row = c.execute("SELECT seq, n_prompt, role, session_id FROM turns WHERE turn_id = ?", (turn_id,)).fetchone()
         if row is not None:
             self._known.put(turn_id, tuple(row))
         return row
@@ -476,9 +476,9 @@ class TurnTable:
     # ------------------------------------------------------------ prompt prefixes
 
     def _parent_base(self, turn: TurnRecord, prompt: np.ndarray) -> tuple[int, int] | None:
-        """(parent seq, its length) when the prompt is known to extend the parent's ids (one id chain)."""
+        """(parent seq, its length) when the prompt extends the ids of a parent of its session (one id chain)."""
         known = self._known.get(turn.parent_turn_id) if turn.parent_turn_id else None
-        full = self._full_ids.get(known[0]) if known is not None else None
+        full = self._full_ids.get(known[0]) if known is not None and known[3] == turn.session_id else None
         if full is not None and full.size >= 8 and id_chain.known_prefix(full, prompt):
             return known[0], full.size
         return None

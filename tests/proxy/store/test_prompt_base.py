@@ -62,3 +62,22 @@ def test_a_prompt_that_is_not_a_splice_still_finds_its_base(db_path):
     again = Store(db_path)
     assert list(again.turns.get(second.turn_id).prompt_ids) == copy
     again.close()
+
+
+def test_a_parent_in_another_session_is_not_a_base(db_path):
+    """A request may continue another session's turn under its own session id: its prompt is
+    stored whole, so each session decodes from its own rows."""
+    store = Store(db_path)
+    first = build_turn("a", 0, list(range(100, 400)), [7, 8, 9])
+    store.turns.add(first, session_fields={})
+    prompt, out = store.turns.ids(first.turn_id)
+    other = build_turn("b", 0, [], [21], parent=first.turn_id)
+    other.prompt_ids = id_chain.join(prompt, out, [11])
+    store.turns.add(other, session_fields={})
+    with store.db.read() as c:
+        base = c.execute("SELECT prompt_base FROM turns WHERE turn_id = ?", (other.turn_id,)).fetchone()[0]
+    assert base is None
+    store.close()
+    again = Store(db_path)
+    assert list(again.turns.get(other.turn_id).prompt_ids) == list(range(100, 400)) + [7, 8, 9, 11]
+    again.close()
