@@ -204,7 +204,7 @@ class TurnRunner:
             p.request_images = request_images(req.messages)
         req.history_edits = p.history_edits
         self.roles.assign(req, p, p.new_session)
-        session = None if p.new_session else self.store.sessions.get(p.session_id)  # read once per turn
+        session = None if p.new_session else self.store.sessions.for_turn(p.session_id)  # kept between turns
         if session is not None and session.closed:
             raise APIError(409, f"session {p.session_id} already has a reward and is closed", code="session_closed")
         params = self.sampling.params(req, len(p.prompt_ids), tuple(self.fmt.stop_token_ids))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -75,14 +77,45 @@ def decode_cursor(cursor: str) -> tuple[float, int]:
     return value
 
 
+RECENT = 65536  # sessions whose last read ``for_turn`` keeps
+
+
 class SessionTable:
     def __init__(self, db: Database, clock: Callable[[], float] = time.time):
         self.db = db
         self.clock = clock
+        self._recent: OrderedDict[str, SessionRecord] = OrderedDict()  # ``for_turn``'s copies
+        self._changes = 0  # ``forget`` calls: a read that overlapped one is not kept
+        self._lock = threading.Lock()
 
     def get(self, session_id: str) -> SessionRecord | None:
         with self.db.read() as c:
             return read_session(c, session_id)
+
+    def for_turn(self, session_id: str) -> SessionRecord | None:
+        """``get`` for the turn path, from a copy kept since this table last read or changed the
+        session: one query fewer a turn. What a turn reads of it moves one way only (``closed``
+        once set stays set; a group once set stays), and the turn's transaction checks
+        ``closed`` again, so a copy older than a write by another process costs a 409 after the
+        generation instead of before it, never a wrong answer."""
+        with self._lock:
+            rec = self._recent.get(session_id)
+            changes = self._changes
+        if rec is not None:
+            return rec
+        rec = self.get(session_id)
+        with self._lock:
+            if rec is not None and changes == self._changes:
+                self._recent[session_id] = rec
+                if len(self._recent) > RECENT:
+                    self._recent.popitem(last=False)
+        return rec
+
+    def forget(self, session_id: str) -> None:
+        """Drop ``for_turn``'s copy of a session that was (or is being) changed."""
+        with self._lock:
+            self._changes += 1
+            self._recent.pop(session_id, None)
 
     def list(
         self,
@@ -144,6 +177,7 @@ class SessionTable:
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         cur = read_session(c, session_id)
         if cur is None:
+            self.forget(session_id)
             c.execute(
                 "INSERT INTO sessions (session_id, group_id, group_size, created_at, metadata) VALUES (?, ?, ?, ?, ?)",
                 (session_id, group_id, group_size, self.clock(), orjson.dumps(metadata or {})),
@@ -157,6 +191,7 @@ class SessionTable:
         if unchanged:
             return cur
         merged = {**cur.metadata, **(metadata or {})}
+        self.forget(session_id)
         c.execute(
             "UPDATE sessions SET group_id = COALESCE(group_id, ?), group_size = COALESCE(group_size, ?), "
             "metadata = ? WHERE session_id = ?",
@@ -175,8 +210,11 @@ class SessionTable:
                 raise NotFound(f"no session {session_id!r}")
             if cur.closed:
                 raise Conflict(f"session {session_id!r} already has a reward ({cur.reward}); rewards are final")
+            self.forget(session_id)
             c.execute(
                 "UPDATE sessions SET reward = ?, closed = 1, rewarded_at = ? WHERE session_id = ?",
                 (reward, self.clock(), session_id),
             )
-            return read_session(c, session_id)
+            rec = read_session(c, session_id)
+        self.forget(session_id)  # again after the commit: a read between the two saw the session open
+        return rec
