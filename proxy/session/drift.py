@@ -54,12 +54,6 @@ class DriftChecker:
         say so (no second write after the fact)."""
         return bool(parent_turn_id) and self._drifted.get(parent_turn_id) is True
 
-    async def check(self, req: TurnRequest, result: TurnResult, parent_turn_id: str | None, *, recorded: bool = False) -> None:
-        """``note``, then the work it leaves."""
-        work = self.note(req, result, parent_turn_id, recorded=recorded)
-        if work is not None:
-            await work
-
     def note(
         self, req: TurnRequest, result: TurnResult, parent_turn_id: str | None, *, recorded: bool = False
     ) -> Coroutine[Any, Any, None] | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,6 +12,7 @@ import orjson
 
 from .db import Database
 from .errors import Conflict, NotFound
+from .lru import LRU
 from .records import SessionRecord
 
 COLUMNS = "session_id, group_id, group_size, reward, closed, created_at, metadata, rewarded_at, lease_id, acked"
@@ -84,7 +84,7 @@ class SessionTable:
     def __init__(self, db: Database, clock: Callable[[], float] = time.time):
         self.db = db
         self.clock = clock
-        self._recent: OrderedDict[str, SessionRecord] = OrderedDict()  # ``for_turn``'s copies
+        self._recent = LRU(RECENT, sized=False)  # ``for_turn``'s copies
         self._changes = 0  # ``forget`` calls: a read that overlapped one is not kept
         self._lock = threading.Lock()
 
@@ -98,24 +98,22 @@ class SessionTable:
         once set stays set; a group once set stays), and the turn's transaction checks
         ``closed`` again, so a copy older than a write by another process costs a 409 after the
         generation instead of before it, never a wrong answer."""
-        with self._lock:
-            rec = self._recent.get(session_id)
-            changes = self._changes
+        rec = self._recent.get(session_id)
         if rec is not None:
             return rec
+        with self._lock:
+            changes = self._changes
         rec = self.get(session_id)
         with self._lock:
             if rec is not None and changes == self._changes:
-                self._recent[session_id] = rec
-                if len(self._recent) > RECENT:
-                    self._recent.popitem(last=False)
+                self._recent.put(session_id, rec)
         return rec
 
     def forget(self, session_id: str) -> None:
         """Drop ``for_turn``'s copy of a session that was (or is being) changed."""
         with self._lock:
             self._changes += 1
-            self._recent.pop(session_id, None)
+            self._recent.pop(session_id)
 
     def list(
         self,

@@ -159,7 +159,6 @@ class TurnTable:
         lps, plps, vs, pvs = turn.output_logprobs, turn.proximal_logprobs_t, turn.versions, turn.proximal_versions
         untouched = all(type(x) is list for x in (lps, plps, vs, pvs)) and pvs == vs and plps == lps and 0.0 not in lps
         prox = None if untouched else np.asarray(turn.proximal_logprobs_t, dtype=F32)  # only write_proximal reads it
-        parent_base = self._parent_base(turn, prompt)
         done: dict = {}
 
         def write(c: sqlite3.Connection) -> None:
@@ -179,7 +178,7 @@ class TurnTable:
             sampling_id = self._sampling_ids.get(sampling)
             if sampling_id is None:
                 sampling_id = _sampling_id(c, sampling)
-            base_seq, base_len = parent_base or self._pick_prompt_base(c, turn, prompt)
+            base_seq, base_len = self._pick_prompt_base(c, turn, prompt)
             try:  # the UNIQUE constraints check turn id, (session, index) and item id
                 cur = c.execute(
                     "INSERT INTO turns (turn_id, session_id, idx, parent_turn_id, prompt_base, prompt_base_len, "
@@ -485,6 +484,8 @@ class TurnTable:
 
     def _pick_prompt_base(self, c, turn: TurnRecord, prompt: np.ndarray) -> tuple[int | None, int]:
         """The earlier turn of the session whose prompt+output shares the longest prefix with this prompt."""
+        if (parent := self._parent_base(turn, prompt)) is not None:  # a splice: no query, no compare
+            return parent
         rows = c.execute(
             "SELECT seq FROM turns WHERE session_id = ? AND (turn_id = ? OR seq = "
             "(SELECT MAX(seq) FROM turns WHERE session_id = ?))",

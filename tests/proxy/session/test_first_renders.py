@@ -16,7 +16,7 @@ import respx
 
 from engines.pool import EnginePool
 from proxy.app import create_app
-from proxy.session.first_renders import FirstRenders
+from proxy.session.first_renders import ENTRY_CHARS, FirstRenders
 from proxy.settings import Settings
 from tests.fakes.engines import FakeSGLang, Step
 from tokenization import ChatFormat, Message, load_tokenizer, qwen3_tokenizer_dir
@@ -91,7 +91,7 @@ def test_a_first_turn_that_differs_anywhere_is_rendered(tmp_path, change):
 
 
 def test_kept_ids_are_read_only_and_bounded():
-    kept = FirstRenders(max_entries=2)
+    kept = FirstRenders(max_chars=2 * (6 + ENTRY_CHARS))  # room for two entries
     conv = lambda k: [Message(role="user", content=f"task {k}")]  # noqa: E731
     arr = kept.put(conv(0), [], None, 6, [1, 2, 3])
     assert arr.dtype == np.int32 and not arr.flags.writeable
