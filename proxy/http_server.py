@@ -18,7 +18,9 @@ calls and two TCP segments, and woke the client twice. And it keeps a request bo
 the parser gave (``BodyPieces``): uvicorn appended each to a bytearray and copied that into
 ``bytes`` for the app, two copies of a 400 KB body at 100k tokens of history. It stops reading
 a body only past ``BODY_HIGH_WATER`` buffered (uvicorn: 64 KB), so a long session's request
-comes in without a pause and resume per turn.
+comes in without a pause and resume per turn. And it tells the app when a client goes away
+before its answer is complete (``Disconnect``, in ``scope["extensions"]``), so a turn learns of
+it from a callback instead of a task parked on ``receive()`` for the whole turn.
 
 Without httptools, uvicorn's h11 protocol is used with its header size limit.
 """
@@ -26,7 +28,7 @@ Without httptools, uvicorn's h11 protocol is used with its header size limit.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 
@@ -38,8 +40,38 @@ LINGER_S = 5.0  # how long a refused connection is read and dropped before it is
 LINGER_MAX_BYTES = 64 << 20
 
 
+# scope["extensions"] key of a request's ``Disconnect`` (absent under other servers: the app
+# then watches ``receive()`` for ``http.disconnect``).
+DISCONNECT = "splice.disconnect"
+
+
 class _HeadersTooLarge(Exception):
     pass
+
+
+class Disconnect:
+    """Callbacks run once when the client goes away before the request's response is complete."""
+
+    __slots__ = ("_callbacks", "gone")
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], None]] = []
+        self.gone = False
+
+    def add(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run ``callback`` on disconnect (at once if the client is gone already); returns the
+        function that removes it."""
+        if self.gone:
+            callback()
+            return lambda: None
+        self._callbacks.append(callback)
+        return lambda: self._callbacks.remove(callback) if callback in self._callbacks else None
+
+    def fire(self) -> None:
+        self.gone = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
 
 class OneSend:
@@ -178,6 +210,7 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
             super().on_headers_complete()
             if self.cycle is not before:  # a request to answer (not an upgrade): its task has not run yet
                 self.cycle.transport = OneSend(self.transport, self.loop)
+                self.cycle.scope.setdefault("extensions", {})[DISCONNECT] = Disconnect()
 
         def on_body(self, body: bytes) -> None:  # uvicorn's, with BodyPieces and BODY_HIGH_WATER
             cycle = self.cycle
@@ -195,7 +228,12 @@ def limited_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
             if self._linger_timer is not None:
                 self._linger_timer.cancel()
                 self._linger_timer = None
+            cycle = self.cycle
             super().connection_lost(exc)
+            if cycle is not None and cycle.disconnected:  # gone before its response was complete
+                hook = cycle.scope.get("extensions", {}).get(DISCONNECT)
+                if hook is not None:
+                    hook.fire()
 
         # -- header size -----------------------------------------------------------------
         def _count(self, n: int) -> None:

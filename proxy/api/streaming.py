@@ -25,6 +25,7 @@ from engines.http import check_token_ids
 from engines.types import EngineError
 
 from ..errors import APIError, from_engine_error, internal_error
+from ..http_server import DISCONNECT
 from ..ids import header_value
 from ..session.turn import TurnRequest, TurnResult
 from .jsonio import dumps
@@ -114,9 +115,14 @@ async def disconnected(request) -> None:
 
 async def watch_client(request, task: asyncio.Task):
     """``await task`` while watching the client: if it disconnects first, cancel the task and
-    raise ``ClientGone``. Without a request (unit tests), just await the task."""
+    raise ``ClientGone``. Without a request (unit tests), just await the task. Served by Splice's
+    own protocol (proxy/http_server.py) the server reports the disconnect; elsewhere a second
+    task waits on ``receive()`` for it."""
     if request is None:
         return await task
+    hook = request.scope.get("extensions", {}).get(DISCONNECT)
+    if hook is not None:
+        return await _watch_with(hook, task)
     watcher = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -131,6 +137,35 @@ async def watch_client(request, task: asyncio.Task):
             task.cancel()
         raise ClientGone()
     return task.result()
+
+
+async def _watch_with(hook, task: asyncio.Task):
+    """``watch_client`` with the server's disconnect callback: a client gone while the turn ran,
+    even in the pass it finished, is ``ClientGone`` (the caller abandons what it committed)."""
+    gone = False
+
+    def on_gone() -> None:
+        nonlocal gone
+        gone = True
+        task.cancel()
+
+    remove = hook.add(on_gone)
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        if not gone or asyncio.current_task().cancelling():  # this request itself is being cancelled
+            task.cancel()
+            raise
+        raise ClientGone() from None
+    except Exception:
+        if gone:
+            raise ClientGone() from None
+        raise
+    finally:
+        remove()
+    if gone:
+        raise ClientGone()
+    return result
 
 
 def _abandon_if_committed(runner, task: asyncio.Task) -> None:

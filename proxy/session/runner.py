@@ -142,6 +142,7 @@ class TurnRunner:
         self.roles = EpisodeRoles(store)  # main / auxiliary / subagent / compacted (proxy.session.roles)
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
+        self._open = 0  # turns between their start and their end: one alone commits without waiting for company
         self._ambiguous_logged: set[str] = set()
         self.vocab_size = vocab_bound(fmt.tokenizer)
         self._max_token_chars = max_token_chars_soon(fmt.tokenizer)  # a future: read when a long request comes
@@ -179,9 +180,11 @@ class TurnRunner:
         return p
 
     async def run(self, req: TurnRequest, on_tokens: TokensCallback | None = None) -> TurnResult:
+        self._open += 1
         try:
             return await self._run(req, on_tokens)
         finally:
+            self._open -= 1
             # A request runs once. Its dialect context holds it and it holds the context's
             # ``present``: dropping that link lets reference counting free the whole request
             # (messages, parsed body) at once, instead of leaving a cycle per turn for the
@@ -377,7 +380,7 @@ class TurnRunner:
         try:
             await self.store.turns.add_grouped(
                 turn, fingerprints=fingerprints, response=stored, session_fields=fields, new_images=new_images,
-                on_lost=lambda: self.abandon(result),
+                on_lost=lambda: self.abandon(result), alone=self._open == 1,
             )  # fmt: skip
         except Conflict as exc:  # rewarded while this turn was generating, or a different group
             now = self.store.sessions.get(p.session_id)

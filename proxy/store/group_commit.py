@@ -7,7 +7,8 @@ queued write in its own ``SAVEPOINT`` inside one transaction, so a write that fa
 session, a duplicate id) rolls back alone and the rest commit. Nothing is answered before its
 transaction has committed: a ``kill -9`` loses only turns whose callers are still waiting, as
 without grouping. A caller cancelled before the flush is left out of it (its future is cancelled,
-so nothing of it is written); at C=1 a group is one turn and the flush runs a loop pass later.
+so nothing of it is written). A turn that no other can join (its caller knows none is open
+beside it: ``now=True``) is flushed at once, without waiting a pass of the loop for company.
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ class GroupCommit:
         self._queue: list[tuple[Work, asyncio.Future, bool]] = []  # (work, its future, whether it is a turn)
         self.on_flush: Callable[[int], None] | None = None  # turns per transaction, for /metrics
 
-    def submit(self, work: Work, *, turn: bool = True) -> asyncio.Future:
+    def submit(self, work: Work, *, turn: bool = True, now: bool = False) -> asyncio.Future:
         """Queue ``work``; the future resolves once the transaction holding it has committed.
-        ``turn=False``: a small write riding along (a flag), left out of the turns counted."""
+        ``turn=False``: a small write riding along (a flag), left out of the turns counted.
+        ``now``: no other turn can join this pass (the only one open): the queue is flushed
+        before this returns, and the pass scheduled for it, if any, finds nothing left."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._queue.append((work, fut, turn))
-        if len(self._queue) == 1:
+        if now:
+            self._flush()
+        elif len(self._queue) == 1:
             loop.call_soon(self._flush)
         return fut
 

@@ -109,12 +109,12 @@ class TurnTable:
         pending.committed()
         return turn
 
-    async def add_grouped(self, turn: TurnRecord, *, on_lost: Callable[[], None], **parts) -> TurnRecord:
+    async def add_grouped(self, turn: TurnRecord, *, on_lost: Callable[[], None], alone: bool = False, **parts) -> TurnRecord:
         """``add`` through the group commit (proxy/store/group_commit.py), for the event loop.
         Cancelled before its group's flush, nothing is stored; cancelled after it, the turn stays
-        stored and ``on_lost()`` runs (it was committed but will not be delivered)."""
+        stored and ``on_lost()`` runs (committed, not delivered). ``alone``: committed at once."""
         pending = self.prepare(turn, **parts)
-        fut = self.group.submit(pending.write)
+        fut = self.group.submit(pending.write, now=alone)
         try:
             await fut
         except asyncio.CancelledError:

@@ -3,7 +3,9 @@
 runs, and no training sample ever contains output nobody received.
 
 The app is driven through raw ASGI calls so the test decides exactly when the client
-disconnects; the engine is a scripted SGLang on respx whose first generation hangs."""
+disconnects, and how the app learns of it: from ``receive()`` (any ASGI server) or from the
+callback Splice's own server protocol puts in the scope (proxy/http_server.py). The engine is a
+scripted SGLang on respx whose first generation hangs."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import respx
 
 from engines.pool import EnginePool
 from proxy.app import create_app
+from proxy.http_server import DISCONNECT, Disconnect
 from proxy.settings import Settings
 from tests.fakes.engines import FakeSGLang, Step, sglang_reply, sse
 from tokenization import ChatFormat, load_tokenizer, qwen3_tokenizer_dir
@@ -66,10 +69,16 @@ class HangingSGLang(FakeSGLang):
 
 
 class Client:
-    """One ASGI request; ``disconnect`` makes ``receive`` report the client gone."""
+    """One ASGI request; ``disconnect`` makes ``receive`` report the client gone; with
+    ``server_hook`` it first fires the scope's ``Disconnect``, as Splice's server does, and
+    ``receive`` reports it only if ``receive_reports`` (a non-streamed turn must learn of it from
+    the hook alone; a started stream still reads ``receive``)."""
 
-    def __init__(self, app, path: str, body: dict, headers: dict[str, str] | None = None):
+    def __init__(self, app, path: str, body: dict, headers: dict[str, str] | None = None, *, server_hook: bool = False,
+                 receive_reports: bool = True):  # fmt: skip
         self.app, self.path = app, path
+        self.hook = Disconnect() if server_hook else None
+        self.receive_reports = receive_reports
         self.body = orjson.dumps(body)
         self.headers = [(b"content-type", b"application/json"), (b"content-length", str(len(self.body)).encode())]
         self.headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -78,7 +87,10 @@ class Client:
         self.block_on: bytes | None = None  # a body chunk containing this never completes its send
 
     def disconnect(self) -> None:
-        self.gone.set()
+        if self.hook is not None:
+            self.hook.fire()
+        if self.receive_reports:
+            self.gone.set()
 
     async def __call__(self) -> list[dict]:
         first = True
@@ -102,6 +114,8 @@ class Client:
             "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "query_string": b"", "root_path": "",
             "headers": self.headers, "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
         }  # fmt: skip
+        if self.hook is not None:
+            scope["extensions"] = {DISCONNECT: self.hook}
         await self.app(scope, receive, send)
         return self.sent
 
@@ -152,10 +166,11 @@ def second_turn(path: str, stream: bool, first_text: str) -> dict:
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_disconnect_mid_generation_aborts_releases_and_trains_on_nothing_unseen(tmp_path, path, stream):
+@pytest.mark.parametrize("server_hook", [False, True], ids=["receive", "server-hook"])
+def test_disconnect_mid_generation_aborts_releases_and_trains_on_nothing_unseen(tmp_path, path, stream, server_hook):
     async def body(app, engine):
         h = {"X-Session-Id": "s1"}
-        gone = Client(app, path, first_turn(path, stream), h)
+        gone = Client(app, path, first_turn(path, stream), h, server_hook=server_hook, receive_reports=stream or not server_hook)
         task = asyncio.create_task(gone())
         await asyncio.wait_for(engine.started.wait(), 10)
         gone.disconnect()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from proxy.store import Conflict, Store
+from proxy.store.turns import _set_drift
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -77,6 +78,29 @@ def test_a_drift_flag_rides_along_a_turns_transaction_and_is_not_counted(db_path
 
     asyncio.run(alone())
     assert groups == [1] and store.turns.list("a")[0].drift is False
+
+
+def test_a_commit_now_returns_done_and_takes_the_writes_queued_before_it(db_path, make_turn):
+    """``now``: the flush runs inside ``submit``, so the turn's coroutine completes without ever
+    suspending, and a flag queued earlier (whose pass is still to come) rides in the same
+    transaction; that pass then finds nothing left."""
+    store, groups = _store(db_path)
+    store.sessions.upsert("a")
+    first = make_turn("a", 0, [1], [2])
+    store.turns.add(first)
+
+    async def main():
+        flag = store.turns.group.submit(lambda c: _set_drift(c, first.turn_id, True), turn=False)
+        coro = store.turns.add_grouped(make_turn("a", 1, [1, 2, 3], [4], parent=first.turn_id), on_lost=pytest.fail,
+                                       alone=True)  # fmt: skip
+        with pytest.raises(StopIteration):
+            coro.send(None)  # done on its first step: no pass of the loop was awaited
+        assert flag.done() and flag.exception() is None and groups == [1]
+        await asyncio.sleep(0)  # the pass scheduled for the flag
+        assert groups == [1]
+
+    asyncio.run(main())
+    assert [t.drift for t in store.turns.list("a")] == [True, False]
 
 
 def test_a_failing_turn_fails_alone_and_the_group_commits(db_path, make_turn):
