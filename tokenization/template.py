@@ -39,6 +39,8 @@ import json
 import re
 from typing import Any, Iterator
 
+from .sandbox_memo import memoize_sandbox_checks
+
 _MARKER_CANDIDATES = [chr(c) for c in range(0xE000, 0xE040)]  # private-use characters
 
 
@@ -249,6 +251,7 @@ class TemplateRenderer:
         self.tokenizer = tokenizer
         self.control = control
         self.keeps_developer_role = "developer" in _template_source(tokenizer)
+        memoize_sandbox_checks(tokenizer)
 
     @property
     def available(self) -> bool:
