@@ -8,8 +8,9 @@ Mapping (what the pool's failover relies on):
 - HTTP 4xx                                      -> ``EngineRejected`` (never retried)
 - no complete reply within the call's deadline  -> ``EngineTimeout``
 
-Every call has a *total* deadline (``deadline``), not only httpx's per-read timeout: an engine
-that drips a byte a second would otherwise never time out.
+Every call has a *total* deadline, not only a per-read timeout: an engine that drips a byte a
+second would otherwise never time out. A plain request's rides on its connection's read timer
+(``EngineTransport.open(total_s=...)``); a stream's is ``deadline`` around its whole reading.
 
 Engines can emit ``-Infinity``/``NaN`` in JSON (Python's encoder does); those bodies are
 decoded leniently and every non-finite or null logprob is mapped to ``NEG_INF_LOGPROB``.
@@ -195,7 +196,8 @@ def check_token_ids(ids: list[int], vocab_size: int | None, replica: str = "") -
 def map_transport_error(exc: httpx.HTTPError, replica: str) -> EngineError:
     """Turn an httpx exception into the engine error the pool understands."""
     if isinstance(exc, httpx.TimeoutException):
-        return EngineTimeout(f"{replica}: timed out ({type(exc).__name__})", replica=replica)
+        why = f": {exc}" if str(exc) else ""
+        return EngineTimeout(f"{replica}: timed out ({type(exc).__name__}{why})", replica=replica)
     if isinstance(exc, (httpx.TransportError,)):
         return EngineUnavailable(f"{replica}: {type(exc).__name__}: {exc}", replica=replica)
     return EngineBadResponse(f"{replica}: {type(exc).__name__}: {exc}", replica=replica)
@@ -268,13 +270,12 @@ class Http:
         if content is not None:
             headers["content-type"] = "application/json"
         for attempt in range(2 if idempotent else 1):
-            try:
-                async with deadline(timeout, self.url, path):
-                    reply = await self._open(method, path, content, headers, timeout)
-                    try:
-                        status, data = reply.status, await reply.read()
-                    finally:
-                        reply.close()
+            try:  # the total deadline rides on the connection's read timer (engines/http_transport.py)
+                reply = await self._open(method, path, content, headers, timeout, total=True)
+                try:
+                    status, data = reply.status, await reply.read()
+                finally:
+                    reply.close()
                 break
             except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
                 if attempt == 0 and idempotent:
@@ -288,12 +289,14 @@ class Http:
             return None
         return decode_json(data, self.url, path)
 
-    def _open(self, method: str, path: str, content: Content | None, headers: dict[str, str], timeout: float):
+    def _open(self, method: str, path: str, content: Content | None, headers: dict[str, str], timeout: float, *,
+              total: bool = False):  # fmt: skip
         if self._auth_headers:
             headers.update(self._auth_headers)
         return self._direct.open(
-            method, self._base + path, content=content, headers=headers, connect_s=min(timeout, CONNECT_TIMEOUT_S), read_s=timeout
-        )
+            method, self._base + path, content=content, headers=headers, connect_s=min(timeout, CONNECT_TIMEOUT_S), read_s=timeout,
+            total_s=timeout if total else None,
+        )  # fmt: skip
 
     async def probe(self, method: str, path: str, *, timeout: float = 10.0) -> int | None:
         """The HTTP status ``method path`` answers with, or None when the replica is unreachable.

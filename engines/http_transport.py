@@ -77,6 +77,14 @@ class _Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self.idle_since = 0.0
+        # One timer per connection, not one made and cancelled per wait: a wait sets the time
+        # its event is due by, and the timer, when it fires, finds nothing awaited, waits out a
+        # later due time, or times the reply out. Re-armed only for a due time before it.
+        self._due: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._until: float | None = None  # the request's total deadline (loop time), if any
+        self._total_s = 0.0
         self._start()
 
     def _start(self) -> None:
@@ -160,9 +168,11 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- the request side
-    def send(self, head: bytes, content: Content | None) -> None:
+    def send(self, head: bytes, content: Content | None, until: float | None = None, total_s: float = 0.0) -> None:
+        """Write a request; ``until``: the loop time its whole reply must be in by."""
         self._start()
         self.in_flight = True
+        self._until, self._total_s = until, total_s
         if content is not None and not isinstance(content, bytes):  # pieces: one writev, no join
             self.transport.writelines((head, *content))
         elif content and len(content) > 65536:
@@ -176,21 +186,43 @@ class _Connection(asyncio.Protocol):
             w.set_result(None)
 
     async def wait(self, read_s: float | None) -> None:
-        """Until the reply's next event; raises the connection's error or ``ReadTimeout``."""
+        """Until the reply's next event; raises the connection's error or ``ReadTimeout`` (nothing
+        for ``read_s``, or the request's total deadline passed)."""
         if self.error is None:
+            due = self.loop.time() + read_s if read_s else None
+            if self._until is not None and (due is None or self._until < due):
+                due = self._until
             self._waiter = self.loop.create_future()
-            timer = self.loop.call_later(read_s, self._timed_out) if read_s else None
+            if due is not None:
+                self._due = due
+                if self._timer is None or due < self._timer_at:
+                    if self._timer is not None:
+                        self._timer.cancel()
+                    self._arm(due)
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-                if timer is not None:
-                    timer.cancel()
+                self._due = None
         if self.error is not None and not self.complete:  # a reply read whole stands
             raise self.error
 
-    def _timed_out(self) -> None:
-        self.error = httpx.ReadTimeout("the engine sent nothing for longer than the read timeout")
+    def _arm(self, at: float) -> None:
+        self._timer_at = at
+        self._timer = self.loop.call_at(at, self._check_due)
+
+    def _check_due(self) -> None:
+        self._timer = None
+        due = self._due
+        if due is None or self.closed:
+            return  # nothing awaited now; the next wait arms again
+        if self.loop.time() < due:
+            self._arm(due)
+            return
+        if self._until is not None and due >= self._until:
+            self.error = httpx.ReadTimeout(f"no complete reply within {self._total_s:g} s")
+        else:
+            self.error = httpx.ReadTimeout("the engine sent nothing for longer than the read timeout")
         self.close()
         self._wake()
 
@@ -208,6 +240,9 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.abort()
 
@@ -326,12 +361,13 @@ class EngineTransport(httpx.AsyncBaseTransport):
             conn.close()
 
     async def _send(self, method: str, t: _Target, lines: list[bytes], content: Content | None,
-                    connect_s: float | None, read_s: float | None) -> Reply:  # fmt: skip
+                    connect_s: float | None, read_s: float | None, total_s: float | None = None) -> Reply:  # fmt: skip
         head = b"%s %s HTTP/1.1\r\n%b\r\n" % (method.encode("ascii"), t.target, b"".join(lines))
+        until = asyncio.get_running_loop().time() + total_s if total_s else None
         conn = await self._acquire(t.key, connect_s)
         try:
             try:
-                conn.send(head, content)
+                conn.send(head, content, until, total_s or 0.0)
             except (OSError, RuntimeError) as exc:  # the transport is closing under us
                 raise httpx.WriteError(str(exc) or type(exc).__name__) from exc
             while not conn.headers_done:
@@ -342,10 +378,13 @@ class EngineTransport(httpx.AsyncBaseTransport):
         return Reply(conn, self, read_s)
 
     async def open(
-        self, method: str, url: str, *, content: Content | None, headers: dict[str, str], connect_s: float, read_s: float
+        self, method: str, url: str, *, content: Content | None, headers: dict[str, str], connect_s: float, read_s: float,
+        total_s: float | None = None,
     ) -> Reply:
         """Send one request and return its reply once the status line and headers are in.
-        ``content``: the body, one buffer or pieces (engines/json_body.py)."""
+        ``content``: the body, one buffer or pieces (engines/json_body.py). ``total_s``: the whole
+        reply, connecting included, must be in within it, or reading it raises ``ReadTimeout``
+        (no timer of its own: the connection's, with the read timeout)."""
         t = self._target_of(url)
         lines = [b"host: %s\r\n" % t.host_header]
         for name, value in headers.items():
@@ -353,7 +392,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
             lines.append(f"{name}: {value}\r\n".encode("latin-1"))
         if content is not None or method in ("POST", "PUT", "PATCH"):
             lines.append(b"content-length: %d\r\n" % content_length(content))
-        return await self._send(method, t, lines, content, connect_s, read_s)
+        return await self._send(method, t, lines, content, connect_s, read_s, total_s)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         t = request.extensions.get("timeout") or {}

@@ -34,7 +34,7 @@ class _HttpxReply:
         pass
 
 
-async def _open_through_respx(self, method, url, *, content, headers, connect_s, read_s):
+async def _open_through_respx(self, method, url, *, content, headers, connect_s, read_s, total_s=None):
     """The direct path's ``open`` as an httpx request through ``handle_async_request``, which respx
     has patched: routes see the exact bytes and headers the engine would."""
     timeout = {"connect": connect_s, "read": read_s, "write": read_s, "pool": read_s}

@@ -530,3 +530,64 @@ def test_a_long_prompt_sent_as_pieces_arrives_as_the_exact_json_body():
     enc, sent = asyncio.run(go())
     assert enc.reused == 2
     assert got == [{"input_ids": ids, "sampling_params": {"max_new_tokens": 8}, "rid": f"r{t}"} for t, ids in enumerate(sent)]
+
+
+def test_one_connection_timer_keeps_every_calls_own_timeouts():
+    """A connection keeps one timer across its calls (engines/http_transport.py): a later call
+    with a shorter read timeout still times out on time; an idle connection whose timer fires
+    is not hurt by it; a reply that drips within the read timeout still ends at the call's
+    total deadline, which counts from before the request went out."""
+    n = 0
+
+    async def script(reader, writer):
+        nonlocal n
+        while True:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            n += 1
+            if n == 2:  # silent for longer than the second call's read timeout
+                await asyncio.sleep(1.5)
+                return
+            if n == 5:  # a byte every 50 ms: each read is in time, the whole reply is not
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+                for _ in range(1000):
+                    writer.write(b" ")
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def go():
+        server, url, peers = await _raw_server(script)
+        loop = asyncio.get_running_loop()
+        async with server, httpx.AsyncClient(transport=EngineTransport()) as client:
+            t = client._transport
+
+            async def call(read_s: float, total_s: float | None = None) -> bytes:
+                reply = await t.open("POST", url + "/g", content=b"{}", headers={}, connect_s=5, read_s=read_s, total_s=total_s)
+                try:
+                    return await reply.read()
+                finally:
+                    reply.close()
+
+            assert await call(30) == b"ok"  # arms the connection's timer 30 s out
+            t0 = loop.time()
+            with pytest.raises(httpx.ReadTimeout, match="read timeout"):
+                await call(0.3)  # the same connection: its timer must move up to 0.3 s
+            took_read = loop.time() - t0
+            assert await call(0.2) == b"ok"  # a new connection; its timer is due in 0.2 s
+            await asyncio.sleep(0.4)  # the timer fires on the idle connection
+            assert await call(0.2) == b"ok"  # and the connection is still good
+            t0 = loop.time()
+            with pytest.raises(httpx.ReadTimeout, match="no complete reply within 0.6 s"):
+                await call(0.5, total_s=0.6)
+            took_total = loop.time() - t0
+        return took_read, took_total, peers
+
+    took_read, took_total, peers = asyncio.run(go())
+    assert 0.25 < took_read < 1.2, took_read
+    assert 0.55 < took_total < 1.5, took_total
+    assert len(peers) == 2  # the first connection, dropped at its timeout; the second served the rest
