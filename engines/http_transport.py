@@ -328,11 +328,10 @@ class EngineTransport(httpx.AsyncBaseTransport):
             t = self._targets[url] = _target(url)
         return t
 
-    async def _acquire(self, key: tuple[str, str, int], connect_s: float | None) -> _Connection:
+    async def _acquire(self, key: tuple[str, str, int], connect_s: float | None, loop: asyncio.AbstractEventLoop,
+                       now: float) -> _Connection:  # fmt: skip
         idle = self._idle.get(key)
         if idle:
-            loop = asyncio.get_running_loop()
-            now = loop.time()
             while idle:
                 conn = idle.pop()
                 if not conn.closed and now - conn.idle_since < self._keepalive_s:
@@ -342,7 +341,6 @@ class EngineTransport(httpx.AsyncBaseTransport):
         if scheme == "https" and self._ssl is None:
             self._ssl = ssl.create_default_context()
         tls = self._ssl if scheme == "https" else None
-        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_s):
                 _, conn = await loop.create_connection(lambda: _Connection(key), host, port, ssl=tls)
@@ -355,7 +353,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
     def release(self, conn: _Connection) -> None:
         if conn.reusable():
             conn.in_flight = False
-            conn.idle_since = asyncio.get_running_loop().time()
+            conn.idle_since = conn.loop.time()
             self._idle.setdefault(conn.key, []).append(conn)
         else:
             conn.close()
@@ -363,8 +361,10 @@ class EngineTransport(httpx.AsyncBaseTransport):
     async def _send(self, method: str, t: _Target, lines: list[bytes], content: Content | None,
                     connect_s: float | None, read_s: float | None, total_s: float | None = None) -> Reply:  # fmt: skip
         head = b"%s %s HTTP/1.1\r\n%b\r\n" % (method.encode("ascii"), t.target, b"".join(lines))
-        until = asyncio.get_running_loop().time() + total_s if total_s else None
-        conn = await self._acquire(t.key, connect_s)
+        loop = asyncio.get_running_loop()  # once a call: in Python 3.11 each asks the kernel for the pid
+        now = loop.time()
+        until = now + total_s if total_s else None
+        conn = await self._acquire(t.key, connect_s, loop, now)
         try:
             try:
                 conn.send(head, content, until, total_s or 0.0)
