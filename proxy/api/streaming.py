@@ -120,7 +120,7 @@ async def watch_client(request, task: asyncio.Task):
     task waits on ``receive()`` for it."""
     if request is None:
         return await task
-    hook = request.scope.get("extensions", {}).get(DISCONNECT)
+    hook = _disconnect_hook(request)
     if hook is not None:
         return await _watch_with(hook, task)
     watcher = asyncio.ensure_future(disconnected(request))
@@ -183,7 +183,13 @@ def _abandon_if_committed(runner, task: asyncio.Task) -> None:
 
 async def run_turn(runner, req: TurnRequest, request=None) -> TurnResult:
     """Run a turn without streaming; every failure becomes an ``APIError``. With ``request``, a
-    client that disconnects cancels the turn (``ClientGone``; see the module docstring)."""
+    client that disconnects cancels the turn (``ClientGone``; see the module docstring).
+
+    Served by Splice's own protocol, the turn runs in the request's own task, which the
+    server's disconnect callback cancels; elsewhere in a task of its own, watched by another."""
+    hook = _disconnect_hook(request)
+    if hook is not None:
+        return await _run_here(runner, req, hook)
     task = asyncio.ensure_future(runner.run(req))
     try:
         return await watch_client(request, task)
@@ -196,6 +202,41 @@ async def run_turn(runner, req: TurnRequest, request=None) -> TurnResult:
         raise
     except Exception as exc:  # noqa: BLE001
         raise to_api_error(exc) from exc
+
+
+def _disconnect_hook(request):
+    return None if request is None else request.scope.get("extensions", {}).get(DISCONNECT)
+
+
+async def _run_here(runner, req: TurnRequest, hook) -> TurnResult:
+    me = asyncio.current_task()
+    gone = False
+
+    def on_gone() -> None:
+        nonlocal gone
+        gone = True
+        me.cancel()
+
+    remove = hook.add(on_gone)
+    try:
+        result = await runner.run(req)
+    except asyncio.CancelledError:
+        if gone and me.uncancel() == 0:  # our own cancel, nobody else's (a shutdown's stays)
+            raise ClientGone() from None
+        raise
+    except Exception as exc:  # noqa: BLE001
+        if gone:
+            raise ClientGone() from None
+        raise to_api_error(exc) from exc
+    finally:
+        remove()
+    if gone:  # the client left in the pass the turn finished: committed, never delivered
+        me.uncancel()
+        abandon = getattr(runner, "abandon", None)
+        if abandon is not None:
+            abandon(result)
+        raise ClientGone()
+    return result
 
 
 async def relay(body: AsyncIterator[bytes], stream: "TurnStream", failed: Callable[[APIError], bytes], what: str) -> AsyncIterator[bytes]:

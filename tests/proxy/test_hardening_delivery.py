@@ -237,3 +237,43 @@ async def _metrics(app) -> str:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         return (await c.get("/metrics")).text
+
+
+def test_a_client_gone_mid_turn_over_real_http_aborts_and_stores_nothing(tmp_path):
+    """The same over a real uvicorn server with Splice's protocol (proxy/http_server.py): the
+    client closes its socket mid-generation; the server's disconnect callback cancels the turn
+    running in the request's own task: the engine request is aborted, nothing is stored, and
+    the session's next turn runs."""
+    import socket
+    import time
+
+    from proxy.http_server import server_options
+    from tests.fakes.serve import serve_in_thread
+
+    with respx.mock(assert_all_called=False) as router:
+        engine = HangingSGLang(router, URL, hang=1)
+        router.route(host="127.0.0.1").pass_through()  # the test's own requests to the server
+        app = create_app(Settings(store=str(tmp_path / "s.sqlite"), max_context=4096), fmt=ChatFormat(TOK, "qwen3"),
+                         pool=EnginePool("sglang", [URL], health_interval_s=0))  # fmt: skip
+        url, stop = serve_in_thread(app, **server_options(65536, 10.0, 5.0))
+        try:
+            body = orjson.dumps(first_turn("/v1/chat/completions", False))
+            head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                    b"x-session-id: s9\r\ncontent-length: %d\r\n\r\n" % len(body))  # fmt: skip
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as c:
+                c.sendall(head + body)
+                deadline = time.monotonic() + 10
+                while not engine.started.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert engine.started.is_set()
+            deadline = time.monotonic() + 10
+            while not engine.aborted and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.aborted == [engine.requests[0]["rid"]], engine.admin
+            r = httpx.post(url + "/v1/chat/completions", json=first_turn("/v1/chat/completions", False),
+                           headers={"X-Session-Id": "s9"}, timeout=30)  # fmt: skip
+            assert r.status_code == 200 and "fine" in r.text, r.text
+            turns = app.state.store.turns.list("s9")
+            assert len(turns) == 1 and not turns[0].abandoned  # only the delivered turn
+        finally:
+            stop()
