@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="the whole loop: engine, proxy, agents, trainer", add_help=False)
     sub.add_parser("train", help="the GRPO trainer loop against one or more proxies", add_help=False)
     sub.add_parser("publish", help="publish weights to a fleet of proxies (each engine loads once, from a path or by torch.distributed broadcast)", add_help=False)
-    sub.add_parser("bench", help="benchmarks (overhead, splice, store, logprobs, pull, recompute, soak, publish, train, images)", add_help=False)
+    sub.add_parser("bench", help="benchmarks (overhead, paired, splice, store, logprobs, pull, recompute, soak, publish, train, images)", add_help=False)
     sub.add_parser("export", help="training samples to Parquet files (HF datasets)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("engine", "init-model", "demo", "train", "publish", "bench", "export"):

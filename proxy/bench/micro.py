@@ -441,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     from .train import add_parser as add_train_parser
 
     add_train_parser(sub)
+    from .paired import add_parser as add_paired_parser
+
+    add_paired_parser(sub)
 
     args = ap.parse_args(argv)
     if args.name == "splice":
@@ -474,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         from .train import run as _run_train
 
         res = _run_train(args)
+    elif args.name == "paired":
+        from .paired import run as _run_paired
+
+        res = _run_paired(args)
     else:
         from .overhead import run as _run_overhead
 
