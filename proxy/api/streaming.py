@@ -139,31 +139,38 @@ async def watch_client(request, task: asyncio.Task):
     return task.result()
 
 
+class _CancelOnGone:
+    """The server's disconnect callback for one task: cancels it, and remembers that it did."""
+
+    __slots__ = ("task", "gone", "remove")
+
+    def __init__(self, hook, task: asyncio.Task):
+        self.task, self.gone = task, False
+        self.remove = hook.add(self._fire)
+
+    def _fire(self) -> None:
+        self.gone = True
+        self.task.cancel()
+
+
 async def _watch_with(hook, task: asyncio.Task):
     """``watch_client`` with the server's disconnect callback: a client gone while the turn ran,
     even in the pass it finished, is ``ClientGone`` (the caller abandons what it committed)."""
-    gone = False
-
-    def on_gone() -> None:
-        nonlocal gone
-        gone = True
-        task.cancel()
-
-    remove = hook.add(on_gone)
+    watch = _CancelOnGone(hook, task)
     try:
         result = await task
     except asyncio.CancelledError:
-        if not gone or asyncio.current_task().cancelling():  # this request itself is being cancelled
+        if not watch.gone or asyncio.current_task().cancelling():  # this request itself is being cancelled
             task.cancel()
             raise
         raise ClientGone() from None
     except Exception:
-        if gone:
+        if watch.gone:
             raise ClientGone() from None
         raise
     finally:
-        remove()
-    if gone:
+        watch.remove()
+    if watch.gone:
         raise ClientGone()
     return result
 
@@ -210,27 +217,20 @@ def _disconnect_hook(request):
 
 async def _run_here(runner, req: TurnRequest, hook) -> TurnResult:
     me = asyncio.current_task()
-    gone = False
-
-    def on_gone() -> None:
-        nonlocal gone
-        gone = True
-        me.cancel()
-
-    remove = hook.add(on_gone)
+    watch = _CancelOnGone(hook, me)
     try:
         result = await runner.run(req)
     except asyncio.CancelledError:
-        if gone and me.uncancel() == 0:  # our own cancel, nobody else's (a shutdown's stays)
+        if watch.gone and me.uncancel() == 0:  # our own cancel, nobody else's (a shutdown's stays)
             raise ClientGone() from None
         raise
     except Exception as exc:  # noqa: BLE001
-        if gone:
+        if watch.gone:
             raise ClientGone() from None
         raise to_api_error(exc) from exc
     finally:
-        remove()
-    if gone:  # the client left in the pass the turn finished: committed, never delivered
+        watch.remove()
+    if watch.gone:  # the client left in the pass the turn finished: committed, never delivered
         me.uncancel()
         abandon = getattr(runner, "abandon", None)
         if abandon is not None:

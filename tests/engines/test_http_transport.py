@@ -252,6 +252,15 @@ async def _read_request(reader) -> bytes:
     return head + (await reader.readexactly(n) if n else b"")
 
 
+async def _requests(reader):
+    """Each request read off a connection, until the client closes it."""
+    while True:
+        try:
+            yield await _read_request(reader)
+        except asyncio.IncompleteReadError:
+            return
+
+
 async def _answer_paths(reader, writer, answer) -> None:
     """Every request on the connection answered by ``answer(path, head, body, writer)``: ``body``
     is ``{"path": ...}`` as JSON, ``head`` a 200's status line and headers for it."""
@@ -395,11 +404,7 @@ def test_a_read_timeout_and_a_cancelled_call_leave_no_connection_to_reuse():
 
     async def script(reader, writer):
         nonlocal n
-        while True:
-            try:
-                await _read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
+        async for _ in _requests(reader):
             n += 1
             body = orjson.dumps({"n": n})
             await asyncio.sleep(1.0 if n <= 2 else 0)
@@ -541,11 +546,7 @@ def test_one_connection_timer_keeps_every_calls_own_timeouts():
 
     async def script(reader, writer):
         nonlocal n
-        while True:
-            try:
-                await _read_request(reader)
-            except asyncio.IncompleteReadError:
-                return
+        async for _ in _requests(reader):
             n += 1
             if n == 2:  # silent for longer than the second call's read timeout
                 await asyncio.sleep(1.5)
