@@ -16,12 +16,11 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from . import loadgen
-from .stack import reply_ids, start_standin, stop_all, wait_http
+from .stack import reply_ids, start_splice, start_standin, stop_all, wait_http
 from .tables import format_table
 from .workload import SYSTEM, TOOL, USER
 
@@ -53,15 +52,6 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def _serve(tree: str, engine_url: str, tok_dir: str, store: str, port: int, extra: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": tree, "SPLICE_QUIET": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
-         "serve", "--engine", "sglang", "--engine-url", engine_url, "--tokenizer", tok_dir, "--renderer", "qwen3",
-         "--store", store, "--host", "127.0.0.1", "--port", str(port), *extra], env=env, cwd=tree,
-    )  # fmt: skip
-
-
 def run(args) -> dict:
     result = measure(args)
     s = result["summary"]
@@ -74,7 +64,6 @@ def run(args) -> dict:
 
 
 def measure(args) -> dict:
-    from engines.reference.launch import free_port
     from tokenization import load_tokenizer, qwen3_tokenizer_dir
 
     if not os.path.isdir(os.path.join(args.base, "proxy")):
@@ -88,8 +77,8 @@ def measure(args) -> dict:
         engine_url = start_standin(tmp, tok, reply_ids(tok), procs)
         ports = {}
         for name, (tree, extra) in sides.items():
-            ports[name] = free_port()
-            procs.append(_serve(tree, engine_url, tok_dir, os.path.join(tmp, f"{name}.sqlite"), ports[name], extra))
+            os.makedirs(os.path.join(tmp, name))
+            ports[name] = start_splice(os.path.join(tmp, name), engine_url, tok_dir, procs, extra, tree=tree)
         servers = dict(zip(sides, procs[-2:]))
         for name, proc in servers.items():
             if why := wait_http(f"http://127.0.0.1:{ports[name]}/v1/models", proc):

@@ -62,15 +62,17 @@ def start_standin(tmp: str, tok, out_ids: list[int], procs: list[subprocess.Pope
 
 
 def start_splice(tmp: str, engine_url: str, tok_dir: str, procs: list[subprocess.Popen], extra: list[str] = (),
-                 renderer: str = "qwen3") -> int:
-    """``splice serve`` in front of ``engine_url`` (appended to ``procs``, not yet waited for); returns its port."""
+                 renderer: str = "qwen3", tree: str | None = None) -> int:
+    """``splice serve`` in front of ``engine_url`` (appended to ``procs``, not yet waited for); returns its port.
+    ``tree``: serve the Splice in that directory instead of this one (``splice bench paired``)."""
     port = free_port()
     # SPLICE_QUIET: no per-turn console lines in the measured proxy (an older tree ignores it)
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""), "SPLICE_QUIET": "1"}
+    env = {**os.environ, "PYTHONPATH": (tree or str(HERE.parents[1])) + os.pathsep + os.environ.get("PYTHONPATH", ""), "SPLICE_QUIET": "1"}
     procs.append(subprocess.Popen(
         [sys.executable, "-c", "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))",
          "serve", "--engine", "sglang", "--engine-url", engine_url, "--tokenizer", tok_dir, "--renderer", renderer,
          "--store", os.path.join(tmp, "splice.sqlite"), "--host", "127.0.0.1", "--port", str(port), *extra], env=env,
+        cwd=tree,  # another tree: ``python -c`` puts the working directory first on the import path
     ))  # fmt: skip
     return port
 
