@@ -141,15 +141,22 @@ async def run(spec: dict) -> dict:
     session = generate_session if mode == "generate" else chat_session
     stall_lat: list[float] = []
 
+    workers_done = False
+
     async def staller(stall: dict) -> None:
         """Beside the workers: a fresh session whose first turn carries a long text, every
-        ``pause_s``; a new text each time (a number in front), so each is rendered from scratch."""
+        ``pause_s``; a new text each time (a number in front), so each is rendered from scratch.
+        Stops when the workers are done: Python 3.11's ``wait_for`` can swallow the cancel that
+        lands as its request completes, so the loop checks the flag as well."""
         conn = Conn(host, port)
         try:
             for k in itertools.count(1):
+                if workers_done:
+                    return
                 body = orjson.dumps({"model": spec["model"], "messages": [{"role": "user", "content": f"{k} {stall['text']}"}]})
                 t0 = time.perf_counter()
-                status, data = await asyncio.wait_for(conn.post("/v1/chat/completions", body, {}), 600)
+                async with asyncio.timeout(600):
+                    status, data = await conn.post("/v1/chat/completions", body, {})
                 if status != 200:
                     errors.append(f"long first turn: {status}: {data[:200]!r}")
                     return
@@ -213,6 +220,7 @@ async def run(spec: dict) -> dict:
         t0, cpu0 = time.perf_counter(), time.process_time()
         beside = asyncio.ensure_future(staller(spec["stall"])) if spec.get("stall") else None
         await asyncio.gather(*(worker(w) for w in range(c)))
+        workers_done = True
         if beside is not None:
             beside.cancel()
             await asyncio.gather(beside, return_exceptions=True)
