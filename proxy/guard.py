@@ -79,11 +79,12 @@ class Admission:
             return False
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
-        try:
-            await asyncio.wait_for(fut, self.wait_s)
+        try:  # not wait_for: in Python 3.11 it drops a cancel that lands as the slot is handed over
+            async with asyncio.timeout(self.wait_s):
+                await fut
             return True  # the releasing request handed its slot over
-        except asyncio.TimeoutError:
-            return False
+        except TimeoutError:
+            return fut.done() and not fut.cancelled()  # handed over as the wait ran out: keep it
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release()  # admitted and gone at once: pass the slot on
@@ -323,7 +324,8 @@ async def _discard_body(receive) -> None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            message = await asyncio.wait_for(receive(), left)
+            async with asyncio.timeout(left):
+                message = await receive()
             if message["type"] != "http.request":
                 return  # the client went away
             seen += len(message.get("body", b""))

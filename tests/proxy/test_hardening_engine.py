@@ -127,6 +127,29 @@ def test_admission_is_fifo_and_survives_cancelled_waiters():
     asyncio.run(main())
 
 
+def test_a_cancel_landing_as_the_slot_is_handed_over_is_kept_and_the_slot_passed_on():
+    """A waiter is handed the slot and cancelled (its client went away, or the server stops)
+    before it runs again: it must raise, not run the request, and the slot goes to the next one
+    (``asyncio.wait_for`` in Python 3.11 returned the result and dropped the cancel)."""
+
+    async def main():
+        gate = Admission(1, 5.0)
+        assert await gate.acquire()
+        first = asyncio.create_task(gate.acquire())
+        second = asyncio.create_task(gate.acquire())
+        await asyncio.sleep(0.01)
+        gate.release()  # hands the slot to ``first``
+        first.cancel()  # before ``first`` resumes
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await asyncio.wait_for(second, 1.0) is True
+        assert gate.active == 1 and not gate._waiters
+        gate.release()
+        assert gate.active == 0
+
+    asyncio.run(main())
+
+
 def test_default_max_inflight_is_sized_for_the_machine():
     s = Settings()
     assert 256 <= s.max_inflight <= 4096 and s.admission_wait_s > 0
