@@ -80,8 +80,7 @@ class Admission:
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:  # not wait_for: in Python 3.11 it drops a cancel that lands as the slot is handed over
-            async with asyncio.timeout(self.wait_s):
-                await fut
+            await _within(fut, self.wait_s)
             return True  # the releasing request handed its slot over
         except TimeoutError:
             return fut.done() and not fut.cancelled()  # handed over as the wait ran out: keep it
@@ -324,8 +323,7 @@ async def _discard_body(receive) -> None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            async with asyncio.timeout(left):
-                message = await receive()
+            message = await _within(receive(), left)
             if message["type"] != "http.request":
                 return  # the client went away
             seen += len(message.get("body", b""))
