@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import chain
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import orjson
@@ -42,6 +42,7 @@ from ..session.planner import message_chars
 from .content import name_tool_messages
 from .jsonio import check_body_depth, parse_json_object
 from .resent_bytes import MIN_BYTES, WINDOW, Layout, extend_ends, field_start, layout_of, parse_after, shared_items
+from .resent_index import LayoutIndex
 
 ConvertItem = Callable[[int, Any], tuple[Sequence[Message], Sequence[str]]]
 
@@ -203,10 +204,10 @@ def convert(raw: list[Any], convert_item: ConvertItem | MergingConverter, reuse:
 # converted to, the tuples holding them. Measured with tracemalloc on 300-item tool loops: about
 # 900 bytes a chat message, 800 a Responses item, 1,150 an Anthropic message (content blocks).
 ITEM_BYTES = 1536
-# Kept requests a long request is compared with before it is parsed, newest first: the
-# conversations sharing its first bytes (an agent's system prompt) that were active last. Each
-# costs a look at the starts of its second and third items and at the third item's bytes (a
-# microsecond or two) before the prefix search over everything before it.
+# Kept requests a long request is compared with before it is parsed, newest first: those
+# sharing its first bytes (an agent's system prompt) and, where they have them, its second and
+# third items' (looked up: proxy/api/resent_index.py). Each costs a look at the start of its
+# second item and at the third item's bytes (a microsecond or two) before the prefix search.
 CANDIDATES = 256
 
 
@@ -217,8 +218,7 @@ class HistoryMemo:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self._kept: OrderedDict[tuple, Converted] = OrderedDict()
-        # The bytes after a kept request's "[" -> the keys kept with them, newest last
-        self._by_bytes: dict[tuple, dict[tuple, None]] = {}
+        self._layouts = LayoutIndex()  # kept requests' layouts, found by their first bytes
         self._bytes = 0
         self._lock = threading.Lock()
         self.reused = 0  # requests that reused a kept prefix (a count for tests and benches)
@@ -237,8 +237,7 @@ class HistoryMemo:
         its layout; the items it repeats byte for byte are the kept objects), or None: parse it
         in full. ``start``: ``field_start(raw, field)``."""
         with self._lock:
-            bucket = self._by_bytes.get((dialect, session_id, raw[start + 1 : start + 1 + WINDOW]))
-            keys = list(islice(reversed(bucket), CANDIDATES)) if bucket else ()
+            keys = self._layouts.candidates((dialect, session_id), raw, start, CANDIDATES)
         for key in keys:
             hit = self._kept.get(key)
             if hit is None or hit.layout is None:
@@ -331,23 +330,15 @@ class HistoryMemo:
             self._kept[key] = entry
             self._bytes += entry.cost
             if layout is not None:
-                at = layout.start + 1
-                self._by_bytes.setdefault((key[0], key[1], layout.body[at : at + WINDOW]), {})[key] = None
+                self._layouts.add(key[:2], key, layout)
             while (self._bytes > self.max_bytes or len(self._kept) > self.max_entries) and self._kept:
                 gone, dropped = self._kept.popitem(last=False)
                 self._bytes -= dropped.cost
                 self._unindex(gone, dropped)
 
     def _unindex(self, key: tuple, entry: Converted) -> None:
-        if entry.layout is None:
-            return
-        at = entry.layout.start + 1
-        bkey = (key[0], key[1], entry.layout.body[at : at + WINDOW])
-        bucket = self._by_bytes.get(bkey)
-        if bucket is not None:
-            bucket.pop(key, None)
-            if not bucket:
-                del self._by_bytes[bkey]
+        if entry.layout is not None:
+            self._layouts.remove(key[:2], key, entry.layout)
 
 
 NOT_KEPT = object()  # what ``read_body``'s ``head`` returns for a request whose conversation is not kept
