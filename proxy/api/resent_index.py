@@ -19,8 +19,8 @@ full, newest first; a hash that collides only adds one to compare.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from operator import itemgetter
-from typing import Hashable
 
 from .resent_bytes import WINDOW, Layout
 
