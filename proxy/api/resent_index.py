@@ -5,140 +5,126 @@ Header-less sessions that share a system prompt share the first bytes of their r
 a request with each of them costs about 1.3 us a look-alike: 180 us a turn with 256 such
 sessions in flight, and its own conversation may be older than the 256 newest. Those sessions
 part at their second or third item (the task, the first answer), and ``HistoryMemo.resent``
-compares those items anyway, so the bucket indexes each conversation by them:
+compares those items anyway, so each bucket is a small tree over them:
 
-- by where its second item ends and the ``WINDOW`` bytes after it (the third item's start:
-  sampled answers part there);
-- then by where its third item ends and a hash of that item's bytes (answers that start alike,
-  a tool call whose id is time-ordered, part further on).
+- by where the first item ends and the ``WINDOW`` bytes after it (the task's start);
+- then by where the second item ends and the ``WINDOW`` bytes after it (the first answer's
+  start: sampled answers part there);
+- then by where the third item ends and a hash of its bytes (answers that start alike, a tool
+  call whose id is time-ordered, part further on).
 
-A request looks up its own bytes once for each such end in the bucket: one per task, then one
-per length of the first answers that start alike. Only the conversations found are compared in
-full, newest first; a hash that collides only adds one to compare.
+A request follows its own bytes down the tree, one look-up for each distinct end below a node
+it reaches (one system prompt, one task length, one answer length, as a rule). Only the
+conversations found are compared in full, newest first; a hash that collides only adds one to
+compare. A bucket of one or two conversations (a lone agent) is handed over whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from operator import itemgetter
 
 from .resent_bytes import WINDOW, Layout
 
 
-class _Third:
-    """The conversations of a bucket whose third item starts alike."""
-
-    __slots__ = ("by_item", "ends", "two")
-
-    def __init__(self) -> None:
-        self.by_item: dict[tuple[int, int], dict[Hashable, int]] = {}  # (its end, hash of its bytes) -> {key: when kept}
-        self.ends: dict[int, int] = {}  # end of the third item -> conversations kept with it
-        self.two: dict[Hashable, int] = {}  # layouts of two items: no third to tell apart
+DEPTH = 3  # items a layout is indexed by: the bytes that tell look-alike sessions apart
+# Buckets of this many layouts or fewer are handed over whole: comparing each costs less than
+# the steps down the tree (a few microseconds of slicing and hashing).
+FEW = 2
 
 
-class _Bucket:
-    __slots__ = ("by_start", "ends", "short", "size")
+class _Node:
+    __slots__ = ("children", "ends", "keys")
 
     def __init__(self) -> None:
-        self.by_start: dict[tuple[int, bytes], _Third] = {}  # (end of the second item, WINDOW bytes after it)
-        self.ends: dict[int, int] = {}  # end of the second item -> conversations kept with it
-        self.short: dict[Hashable, int] = {}  # layouts of fewer than two items: compared each time
-        self.size = 0
+        self.children: dict[tuple[int, Hashable], _Node] = {}  # (an item's end, what follows it) -> node
+        self.ends: dict[int, int] = {}  # the ends in ``children`` -> how many children have each
+        self.keys: dict[Hashable, int] = {}  # layouts indexed down to here -> when kept
 
 
-def _count(ends: dict[int, int], e: int, by: int) -> None:
-    n = ends.get(e, 0) + by
-    if n:
-        ends[e] = n
-    else:
-        del ends[e]
+def _edge(body: bytes, ends: Sequence[int], depth: int) -> tuple[int, Hashable]:
+    """The step below ``depth``: where item ``depth`` ends, and the next item's first bytes (the
+    third item whole, hashed, at the last step)."""
+    e = ends[depth]
+    if depth < DEPTH - 1:
+        return e, body[e + 1 : e + 1 + WINDOW]
+    return e, hash(body[ends[depth - 1] + 1 : e + 1])
 
 
 class LayoutIndex:
-    """Kept layouts by their first bytes, then by their second and third items. Not
-    thread-safe: ``HistoryMemo`` calls it under its lock."""
+    """Kept layouts by their first bytes, then by their first three items. Not thread-safe:
+    ``HistoryMemo`` calls it under its lock."""
 
     def __init__(self) -> None:
-        self._buckets: dict[tuple, _Bucket] = {}
+        self._roots: dict[tuple, _Node] = {}
+        self._all: dict[tuple, dict[Hashable, int]] = {}  # a bucket's layouts, whatever their depth
         self._tick = 0
-
-    @staticmethod
-    def _bucket_key(scope: tuple, body: bytes, start: int) -> tuple:
-        return (*scope, body[start + 1 : start + 1 + WINDOW])
 
     def add(self, scope: tuple, key: Hashable, layout: Layout) -> None:
         """Index ``key``'s layout (``scope``: what else tells conversations apart, e.g. the
         dialect and session). A key is added once; ``remove`` it before adding it again."""
         self._tick += 1
         body, ends = layout.body, layout.ends
-        b = self._buckets.setdefault(self._bucket_key(scope, body, layout.start), _Bucket())
-        b.size += 1
-        if len(ends) < 2:
-            b.short[key] = self._tick
-            return
-        e1 = ends[1]
-        third = b.by_start.get(start := (e1, body[e1 + 1 : e1 + 1 + WINDOW]))
-        if third is None:
-            third = b.by_start[start] = _Third()
-        _count(b.ends, e1, 1)
-        if len(ends) == 2:
-            third.two[key] = self._tick
-            return
-        e2 = ends[2]
-        third.by_item.setdefault((e2, hash(body[e1 + 1 : e2 + 1])), {})[key] = self._tick
-        _count(third.ends, e2, 1)
+        root_key = (*scope, body[layout.start + 1 : layout.start + 1 + WINDOW])
+        self._all.setdefault(root_key, {})[key] = self._tick
+        node = self._roots.setdefault(root_key, _Node())
+        for depth in range(min(len(ends), DEPTH)):
+            edge = _edge(body, ends, depth)
+            child = node.children.get(edge)
+            if child is None:
+                child = node.children[edge] = _Node()
+                node.ends[edge[0]] = node.ends.get(edge[0], 0) + 1
+            node = child
+        node.keys[key] = self._tick
 
     def remove(self, scope: tuple, key: Hashable, layout: Layout) -> None:
         body, ends = layout.body, layout.ends
-        bkey = self._bucket_key(scope, body, layout.start)
-        b = self._buckets.get(bkey)
-        if b is None:
+        root_key = (*scope, body[layout.start + 1 : layout.start + 1 + WINDOW])
+        path = [(self._roots.get(root_key), None)]
+        for depth in range(min(len(ends), DEPTH)):
+            node = path[-1][0]
+            if node is None:
+                return
+            edge = _edge(body, ends, depth)
+            path.append((node.children.get(edge), edge))
+        node = path[-1][0]
+        if node is None or node.keys.pop(key, None) is None:
             return
-        if len(ends) < 2:
-            if b.short.pop(key, None) is None:
+        bucket = self._all[root_key]
+        del bucket[key]
+        if not bucket:
+            del self._all[root_key]
+        for (parent, _), (child, edge) in zip(path[-2::-1], path[:0:-1]):  # prune empty nodes, leaf first
+            if child.keys or child.children:
                 return
-        else:
-            e1 = ends[1]
-            start = (e1, body[e1 + 1 : e1 + 1 + WINDOW])
-            third = b.by_start.get(start)
-            if third is None:
-                return
-            if len(ends) == 2:
-                if third.two.pop(key, None) is None:
-                    return
+            del parent.children[edge]
+            if parent.ends[edge[0]] == 1:
+                del parent.ends[edge[0]]
             else:
-                e2 = ends[2]
-                item = (e2, hash(body[e1 + 1 : e2 + 1]))
-                keys = third.by_item.get(item)
-                if keys is None or keys.pop(key, None) is None:
-                    return
-                if not keys:
-                    del third.by_item[item]
-                _count(third.ends, e2, -1)
-            if not third.two and not third.by_item:
-                del b.by_start[start]
-            _count(b.ends, e1, -1)
-        b.size -= 1
-        if not b.size:
-            del self._buckets[bkey]
+                parent.ends[edge[0]] -= 1
+        root = path[0][0]
+        if not root.keys and not root.children:
+            del self._roots[root_key]
 
     def candidates(self, scope: tuple, raw: bytes, start: int, limit: int) -> list[Hashable]:
-        """Keys whose layout ``raw`` may repeat (the same first bytes, and the same second and
-        third items where they have them), most recently kept first, at most ``limit``."""
-        b = self._buckets.get(self._bucket_key(scope, raw, start))
-        if b is None:
+        """Keys whose layout ``raw`` may repeat (the same first bytes, and the same first three
+        items' bytes where they were looked at), most recently kept first, at most ``limit``."""
+        root_key = (*scope, raw[start + 1 : start + 1 + WINDOW])
+        bucket = self._all.get(root_key)
+        if bucket is None:
             return []
+        if len(bucket) <= FEW:
+            return sorted(bucket, key=bucket.__getitem__, reverse=True)[:limit]
         found: list[tuple[Hashable, int]] = []
-        for e1 in b.ends:
-            third = b.by_start.get((e1, raw[e1 + 1 : e1 + 1 + WINDOW]))
-            if third is None:
-                continue
-            found.extend(third.two.items())
-            for e2 in third.ends:
-                keys = third.by_item.get((e2, hash(raw[e1 + 1 : e2 + 1])))
-                if keys:
-                    found.extend(keys.items())
-        found.extend(b.short.items())
+        stack: list[tuple[_Node, list[int]]] = [(self._roots[root_key], [])]
+        while stack:
+            node, ends = stack.pop()
+            found.extend(node.keys.items())
+            for e in node.ends:
+                path = [*ends, e]
+                child = node.children.get(_edge(raw, path, len(ends)))
+                if child is not None:
+                    stack.append((child, path))
         if len(found) > 1:
             found.sort(key=itemgetter(1), reverse=True)
         return [k for k, _ in found[:limit]]

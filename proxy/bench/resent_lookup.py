@@ -4,13 +4,14 @@ conversation among header-less look-alikes (``HistoryMemo.resent``).
 Header-less sessions of one system prompt share a bucket of the history memo. Each keeps a
 conversation of 3 tool-call turns (a 20 KB tool result, so its requests are parsed from what
 they add); then each sends its next request and the time of ``HistoryMemo.resent`` alone is
-measured, the median and the slowest over the sessions. Two kinds of first answer:
+measured (the fastest of five tries), the median and the slowest over the sessions. Two kinds
+of first answer:
 
 - ``text``: the answer starts with sampled text, different in every session;
 - ``call``: the answer is a tool call with no text, its id Splice's (``call_<turn id>_0``,
   time-ordered: sessions started together share its first digits).
 
-``--tasks`` spreads the sessions over that many tasks (different user messages). ``--src DIR``
+``--tasks`` spreads the sessions over that many tasks (user messages of different lengths). ``--src DIR``
 (repeatable) measures the ``proxy`` package of another checkout (a ``git worktree`` of an older
 release) in its own process, for a before / after on the same machine.
 """
@@ -51,7 +52,8 @@ def send(memo, msgs):
 memo = HistoryMemo()
 sessions = []
 for s in range(n):
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task {s % tasks}: make the failing test in tests/test_app.py pass."}]
+    task = f"Task {s % tasks}: make the failing test in tests/test_app.py pass." + " Details follow." * (s % tasks)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
     for t in range(3):
         a, cid = answer(s, t)
         msgs += [a, {"role": "tool", "tool_call_id": cid, "content": DOC if t == 0 else f"ok {t}"}]
@@ -62,10 +64,14 @@ for msgs in sessions:
     a, cid = answer(0, 3)
     raw = orjson.dumps({"model": "m", "messages": msgs + [a, {"role": "tool", "tool_call_id": cid, "content": "ok"}], "max_tokens": 256})
     start = raw.find(b'"messages":[') + 11
-    t0 = time.perf_counter_ns()
-    hit = memo.resent(raw, start, "chat", None, "messages")
-    times.append(time.perf_counter_ns() - t0)
-    assert hit is not None, "not found"
+    best = None
+    for _ in range(5):  # the fastest of five: the look-up, not the machine's moment
+        t0 = time.perf_counter_ns()
+        hit = memo.resent(raw, start, "chat", None, "messages")
+        t = time.perf_counter_ns() - t0
+        best = t if best is None else min(best, t)
+        assert hit is not None, "not found"
+    times.append(best)
 print(json.dumps({"median_us": statistics.median(times) / 1e3, "max_us": max(times) / 1e3}))
 """
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import orjson
+import pytest
 
 from proxy.api.history_memo import HistoryMemo
 from proxy.api.resent_bytes import WINDOW, Layout, extend_ends
@@ -44,8 +45,9 @@ def _conversation(rnd: random.Random) -> list[dict]:
     return msgs
 
 
-def test_the_index_never_misses_a_layout_the_byte_checks_accept():
-    rnd = random.Random(7)
+@pytest.mark.parametrize("keys", [3, 200])  # buckets handed over whole, and looked up
+def test_the_index_never_misses_a_layout_the_byte_checks_accept(keys):
+    rnd = random.Random(keys)
     index = LayoutIndex()
     kept: dict[int, Layout] = {}
     for step in range(3000):
@@ -53,7 +55,7 @@ def test_the_index_never_misses_a_layout_the_byte_checks_accept():
             key = rnd.choice(list(kept))
             index.remove(SCOPE, key, kept.pop(key))
         elif rnd.random() < 0.5:  # keep one (again: removed first, as HistoryMemo.keep does)
-            key = rnd.randrange(200)
+            key = rnd.randrange(keys)
             if key in kept:
                 index.remove(SCOPE, key, kept.pop(key))
             kept[key] = _layout(_conversation(rnd))
@@ -66,7 +68,7 @@ def test_the_index_never_misses_a_layout_the_byte_checks_accept():
             assert len(found) == len(set(found))
     for key in list(kept):
         index.remove(SCOPE, key, kept.pop(key))
-    assert not index._buckets  # nothing left behind
+    assert not index._roots and not index._all  # nothing left behind
 
 
 def test_candidates_come_newest_first_and_only_the_look_alikes():
@@ -81,14 +83,17 @@ def test_candidates_come_newest_first_and_only_the_look_alikes():
     index.add(SCOPE, 1, layouts[1])  # kept again: now the newest
     same_start = _layout(base + [{"role": "assistant", "content": "answer number 3 " * 10}, {"role": "user", "content": "x"}])
     assert index.candidates(SCOPE, same_start.body, same_start.start, 10) == [3]
-    # layouts cut short (HistoryMemo.keep stops at an item it does not keep): by the third
-    # item's start when they have two items, compared with every request of the bucket with one
+    # layouts cut short (HistoryMemo.keep stops at an item it does not keep) are indexed by the
+    # items they have: the third item's start with two, the second's with one
     three = layouts[3]
     index.add(SCOPE, "two", Layout(three.body, three.start, three.ends[:2]))
     index.add(SCOPE, "one", Layout(three.body, three.start, three.ends[:1]))
     assert index.candidates(SCOPE, same_start.body, same_start.start, 10) == ["one", "two", 3]
     other = _layout(base + [{"role": "assistant", "content": "something else entirely " * 4}, {"role": "user", "content": "x"}])
     assert index.candidates(SCOPE, other.body, other.start, 10) == ["one"]
+    answer = {"role": "assistant", "content": "answer number 3 " * 10}
+    other_task = _layout([base[0], {"role": "user", "content": "Write the docs."}, answer, {"role": "user", "content": "x"}])
+    assert index.candidates(SCOPE, other_task.body, other_task.start, 10) == []
     assert index.candidates(("chat", "another session"), same_start.body, same_start.start, 10) == []
     assert index.candidates(SCOPE, layouts[1].body, layouts[1].start, 10) == ["one", 1]
 
@@ -115,3 +120,26 @@ def test_three_hundred_look_alike_sessions_each_find_their_own():
         body = _send(memo, raw)
         assert orjson.dumps(body) == raw
         assert memo.resent_parsed == before + 1, s
+
+
+def test_a_request_looks_up_its_own_items_not_every_task(monkeypatch):
+    """200 sessions of one system prompt, each its own task (of its own length): a request takes
+    one step per item down the index, not one per task."""
+    import proxy.api.resent_index as ri
+
+    steps = []
+    edge = ri._edge
+    monkeypatch.setattr(ri, "_edge", lambda *a: steps.append(1) or edge(*a))
+    index = LayoutIndex()
+    system = {"role": "system", "content": "You are a coding agent. " * 4}
+    convs = {}
+    for s in range(200):
+        task = {"role": "user", "content": f"Task {s}: fix issue #{s}. " + "Details follow. " * (s % 50)}
+        call = {"id": f"call_0193ab4f{s:016x}_0", "type": "function", "function": {"name": "run", "arguments": "{}"}}
+        convs[s] = [system, task, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": call["id"], "content": "ok"}]
+        index.add(SCOPE, s, _layout(convs[s]))
+    for s, msgs in convs.items():
+        new = _layout(msgs + [{"role": "user", "content": "go on"}])
+        steps.clear()
+        assert index.candidates(SCOPE, new.body, new.start, 10_000) == [s]
+        assert len(steps) == 3, (s, len(steps))
