@@ -23,6 +23,31 @@ import orjson
 import uvicorn
 
 
+# A ``/generate`` body longer than this has its prompt ids counted, not parsed (``parse_generate``).
+COUNT_IDS_ABOVE = 64 << 10
+_IDS_KEY = b'"input_ids":['
+
+
+def parse_generate(body: bytes) -> tuple[dict, int]:
+    """A ``/generate`` request and how many prompt ids it carries. A long prompt's ids are counted
+    in its bytes, not parsed, unless the request asks for their logprobs: parsing a 100k-token
+    prompt makes 100k Python ints (about 4 MB of heap made and freed per turn), and on a machine
+    the stand-in shares with the proxy that churn pushed the proxy's own objects out of the shared
+    cache, so the long-session rows measured the stand-in as much as the proxy. (The request key
+    cannot occur inside a JSON string: a quote there is escaped.)"""
+    i = body.find(_IDS_KEY) if len(body) > COUNT_IDS_ABOVE else -1
+    if i >= 0:
+        head = i + len(_IDS_KEY)
+        end = body.find(b"]", head)
+        if end >= 0:
+            req = orjson.loads(body[:head] + body[end:])  # the same request with ``"input_ids":[]``
+            if int(req.get("logprob_start_len", -1)) < 0:
+                return req, (body.count(b",", head, end) + 1 if end > head else 0)
+    req = orjson.loads(body)
+    ids = req.get("input_ids") or []
+    return req, len(ids)
+
+
 def make_app(spec: dict):
     out_ids = spec["out_ids"]
     stop_id = spec["stop_id"]
@@ -43,29 +68,28 @@ def make_app(spec: dict):
     ok = orjson.dumps({"success": True})
 
     def generate(body: bytes) -> tuple[bytes, float]:
-        req = orjson.loads(body)
-        ids = req.get("input_ids") or []
+        req, n_ids = parse_generate(body)
         start = int(req.get("logprob_start_len", -1))
         # a prefill (R2 recompute) asks for input logprobs and no output
-        inputs = [[None if j == 0 else -0.5, t, None] for j, t in enumerate(ids[start:])] if start >= 0 else []
+        inputs = [[None if j == 0 else -0.5, t, None] for j, t in enumerate((req.get("input_ids") or [])[start:])] if start >= 0 else []
         prefill = (req.get("sampling_params") or {}).get("max_new_tokens") == 0
         if prefill:
             stats["prefill_calls"] += 1
-            stats["prefill_tokens"] += len(ids)
+            stats["prefill_tokens"] += n_ids
         else:
             stats["turns"] += 1
             if start >= 0:
                 stats["turns_with_input_logprobs"] += 1
-                stats["input_logprob_tokens"] += len(ids) - start
+                stats["input_logprob_tokens"] += n_ids - start
         # Images (SGLang's form: one pad per image plus ``image_data``) expand to ``image_tokens`` pads
         # each, as SGLang's processor does; the bench sends same-size screenshots.
-        prompt_tokens = len(ids) + len(req.get("image_data") or []) * (int(spec.get("image_tokens") or 1) - 1)
+        prompt_tokens = n_ids + len(req.get("image_data") or []) * (int(spec.get("image_tokens") or 1) - 1)
         meta = {
             "id": req.get("rid", "r"), "finish_reason": {"type": "length" if prefill else "stop", "matched": None if prefill else stop_id},
             "prompt_tokens": prompt_tokens, "completion_tokens": 0 if prefill else n_out, "cached_tokens": 0,
             "weight_version": state["version"], "input_token_logprobs": inputs, "output_token_logprobs": [] if prefill else triples, "e2e_latency": 0.0,
         }
-        prefill_s = len(ids) / prefill_tok_s if prefill and prefill_tok_s > 0 else 0.0
+        prefill_s = n_ids / prefill_tok_s if prefill and prefill_tok_s > 0 else 0.0
         return orjson.dumps({"text": "", "output_ids": [] if prefill else out_ids, "meta_info": meta}), prefill_s
 
     def chat(body: bytes) -> bytes:
