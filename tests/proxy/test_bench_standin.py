@@ -71,28 +71,3 @@ def test_the_stand_in_reports_a_counted_prompt_as_its_prompt_tokens():
     reply = asyncio.run(post())
     assert reply["meta_info"]["prompt_tokens"] == 100_000
     assert reply["output_ids"] == [11, 12, 13]
-
-
-def test_the_bench_client_sends_head_and_body_whole_through_partial_sends():
-    """``growth.send_all`` (the long-session client): every byte, in order, when the socket takes
-    each ``sendmsg`` only in part."""
-    import socket
-    import threading
-
-    from proxy.bench.growth import send_all
-
-    a, b = socket.socketpair()
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    parts = [b"POST / HTTP/1.1\r\n\r\n", b"", np.arange(800_000, dtype=np.int32).tobytes(), b"]"]
-    got = bytearray()
-
-    def read():
-        while len(got) < sum(map(len, parts)):
-            got.extend(b.recv(65536))
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    send_all(a, parts)
-    reader.join(30)
-    a.close(), b.close()
-    assert bytes(got) == b"".join(parts)
