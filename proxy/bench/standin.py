@@ -8,7 +8,9 @@ instantly with fixed replies, so every millisecond above it is the proxy's or th
 * OpenAI ``POST /v1/chat/completions`` (non-streaming): a fixed assistant message with one tool
   call and a ``usage`` block, the baseline for chat-shaped traffic and the upstream for LiteLLM.
 
-Plain ASGI (no framework) and pre-encoded bodies keep its own per-request cost as small as possible.
+Plain ASGI (no framework) and pre-encoded bodies keep its own per-request cost as small as possible,
+and a long prompt's ids are counted rather than parsed (``parse_generate``), so that the stand-in,
+sharing the machine's caches with the proxy, does not slow the proxy down by its own churn.
 Only needs uvicorn and orjson, so it does not import the project.
 """
 
