@@ -76,7 +76,8 @@ class _Chat:
                 n = int(line.split(b":", 1)[1])
         data = self.f.read(n)
         if not status.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"growth phase: {status!r} {data[:200]!r}")
+            # a request the proxy refuses (a history past the engine's context, say): its message, not a traceback
+            raise SystemExit(f"long-session turn refused: {status.decode('latin-1').strip()}: {data[:300].decode('utf-8', 'replace')}")
         self.extend(msgs, orjson.loads(data), t)
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """The bench's clients send a long session's request without copying it behind its head, and
-every byte arrives in order: checked on real sockets."""
+every byte arrives in order, and a refused turn ends the bench with the proxy's message: checked
+on real sockets."""
 
 from __future__ import annotations
 
@@ -61,3 +62,35 @@ def test_the_load_generator_posts_a_long_body_whole():
 
     asyncio.run(main())
     assert got == [body, b"{}"]
+
+
+def test_a_refused_long_session_turn_ends_the_bench_with_the_proxys_message():
+    """The alternating blocks' client stops on a refused turn with what the proxy said, not a traceback."""
+    import pytest
+
+    from proxy.bench.growth import _Chat
+
+    refusal = b'{"error":{"message":"This model\'s maximum context length is 262144 tokens"}}'
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = server.accept()
+        f = conn.makefile("rb")
+        n = 0
+        while (line := f.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                n = int(line.split(b":", 1)[1])
+        f.read(n)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%b" % (len(refusal), refusal))
+        conn.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    chat = _Chat(server.getsockname()[1])
+    try:
+        with pytest.raises(SystemExit, match="400 Bad Request.*maximum context length is 262144"):
+            chat.turn(chat.session("s"), 0)
+    finally:
+        chat.close()
+        t.join(10)
+        server.close()
