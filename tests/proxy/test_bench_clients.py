@@ -1,6 +1,6 @@
-"""The bench's clients send a long session's request without copying it behind its head, and
-every byte arrives in order, and a refused turn ends the bench with the proxy's message: checked
-on real sockets."""
+"""The bench's clients send a long session's request without copying it behind its head and
+deliver every byte in order; a refused turn ends the bench with the proxy's message. Checked on
+real sockets."""
 
 from __future__ import annotations
 
