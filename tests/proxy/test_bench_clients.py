@@ -35,7 +35,7 @@ def test_the_bench_client_sends_head_and_body_whole_through_partial_sends():
 
 
 def test_the_load_generator_posts_a_long_body_whole():
-    """``loadgen.Conn.post`` writes a long body beside its head (``writelines``): a server reading
+    """``loadgen.Conn.post`` writes a body beside its head (``writelines``): a server reading
     by Content-Length gets the exact bytes, then answers on the same connection."""
     body = np.arange(300_000, dtype=np.int32).tobytes()
     got: list[bytes] = []
