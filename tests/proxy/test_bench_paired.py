@@ -1,6 +1,7 @@
 """``splice bench paired`` runs end to end (small sizes): two trees served side by side take
 turns in ABBA blocks, each block's proxy CPU is counted, and the rounds give ratios (no timing
-is asserted: this tree against itself, with a flag that changes what it does per turn)."""
+is asserted: this tree against itself, with a flag that changes what it does per turn). Each
+round also times the stand-in alone, and gives each tree's added p50 against it."""
 
 from __future__ import annotations
 
@@ -23,10 +24,15 @@ def test_bench_paired_small(tmp_path, capsys):
     for row in result["rounds"]:
         assert row["turns"] == {"base": 24, "tree": 24}  # two blocks of one 12-turn session each
         assert row["base"] > 0 and row["tree"] > 0 and abs(row["ratio"] - row["tree"] / row["base"]) < 1e-9
+        added = row["added_p50_ms"]
+        # a turn through a proxy takes longer than the same turn at the stand-in alone
+        assert row["standin_p50_ms"] > 0 and added["base"] > 0 and added["tree"] > 0
+        assert abs(row["added_ratio"] - added["tree"] / added["base"]) < 1e-9
     s = result["summary"]
     assert s["ratio_min"] <= s["ratio_median"] <= s["ratio_max"]
+    assert s["added_ratio_min"] <= s["added_ratio_median"] <= s["added_ratio_max"]
     printed = capsys.readouterr().out
-    assert "round 2/2" in printed and "tree / base (median)" in printed
+    assert "round 2/2" in printed and "tree / base (median)" in printed and "added p50 ms" in printed
 
 
 def test_cpu_seconds_counts_every_live_thread_of_a_process():
