@@ -207,11 +207,17 @@ def _loadgen(spec: dict, tmp: str, timeout: float) -> dict:
     return json.loads(r.stdout)
 
 
+def quantile(lat: list[float], p: float) -> float:
+    """The ``p`` quantile of ``lat``, sorted: the value at rank ``int(p * n)``, not interpolated
+    (how every latency row of the benches is read)."""
+    return lat[min(len(lat) - 1, int(p * len(lat)))]
+
+
 def _stats(res: dict) -> dict:
     lat = sorted(res["lat"])
     if not lat:
         return {"turns": 0, "errors": res["errors"][:5], "n_errors": len(res["errors"])}
-    q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]  # noqa: E731
+    q = lambda p: quantile(lat, p)  # noqa: E731
     out = {"turns": len(lat), "sessions": res["sessions"], "wall_s": res["wall_s"], "turns_per_s": len(lat) / res["wall_s"],
            "p50_ms": q(0.50) * 1e3, "p99_ms": q(0.99) * 1e3, "max_ms": lat[-1] * 1e3, "mean_ms": sum(lat) / len(lat) * 1e3,
            "n_errors": len(res["errors"]), "errors": res["errors"][:5], "timed_out": res.get("timed_out", False)}

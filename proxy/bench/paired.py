@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from . import loadgen
+from .overhead import quantile
 from .stack import reply_ids, start_splice, start_standin, stop_all, wait_http
 from .tables import format_table
 from .workload import SYSTEM, TOOL, USER
@@ -44,9 +45,8 @@ def add_parser(sub) -> None:
 
 
 def p50(lat: list[float]) -> float:
-    """The median of ``lat`` (seconds) in ms, as ``splice bench overhead`` reads it."""
-    s = sorted(lat)
-    return s[min(len(s) - 1, len(s) // 2)] * 1e3
+    """The median of ``lat`` (seconds) in ms, read as ``splice bench overhead`` reads it."""
+    return quantile(sorted(lat), 0.5) * 1e3
 
 
 def cpu_seconds(pid: int) -> float:
@@ -112,10 +112,10 @@ def measure(args) -> dict:
                     "deadline_s": 600, "tag": f"b{blocks}"}  # fmt: skip
             if name == "standin":
                 spec.update(model="standin", session_header=False)
-            pid = servers[name].pid if name in servers else None
-            t0 = cpu_seconds(pid) if pid else 0.0
+            server = servers.get(name)  # None for the stand-in: its CPU is not the question
+            t0 = cpu_seconds(server.pid) if server else 0.0
             out = asyncio.run(loadgen.run(spec))
-            spent = cpu_seconds(pid) - t0 if pid else 0.0
+            spent = cpu_seconds(server.pid) - t0 if server else 0.0
             if out["errors"]:
                 raise SystemExit(f"{name}: {out['errors'][:2]}")
             return spent, out["lat"]
